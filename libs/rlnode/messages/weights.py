@@ -1,0 +1,41 @@
+"""Weight versions (learner -> generators, checkpoint-server). Weights never travel
+through Kafka: the record points at a file in the shared checkpoint store."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+from pydantic import Field, NonNegativeInt, model_validator
+
+from rlnode.messages.base import Envelope, StrictModel, schema_tag
+
+
+class ParityProbe(StrictModel):
+    """Logprob of each token of a fixed sequence given the tokens before it, computed by the
+    learner on these weights; a generator that loads them recomputes and compares."""
+
+    token_ids: list[int] = Field(min_length=2)
+    logprobs: list[float]
+
+    @model_validator(mode="after")
+    def _aligned(self) -> ParityProbe:
+        if len(self.logprobs) != len(self.token_ids) - 1:
+            raise ValueError(
+                f"a probe of {len(self.token_ids)} tokens has {len(self.token_ids) - 1} "
+                f"logprobs, not {len(self.logprobs)}"
+            )
+        return self
+
+
+class WeightVersion(Envelope):
+    SCHEMA: ClassVar[str] = schema_tag("WeightVersion", 1)
+    schema_: Literal["rlnode.WeightVersion/1"] = Field(SCHEMA, alias="schema")
+
+    version: NonNegativeInt
+    step: NonNegativeInt
+    uri: str = Field(pattern=r"^file://", description="file:// URI in the checkpoint store.")
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    format: Literal["safetensors"] = "safetensors"
+    size_bytes: NonNegativeInt
+    dtype: Literal["float32", "bfloat16", "float16"]
+    probe: ParityProbe

@@ -1,0 +1,111 @@
+"""Service processes: start one of rlnode's services as a child process, wait for its health
+check, stop it with SIGTERM. Used by `rlnode doctor` (and the supervisor to come)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+
+@dataclass(frozen=True)
+class ServiceSpec:
+    name: str
+    module: str
+    env_prefix: str
+
+
+SERVICES: tuple[ServiceSpec, ...] = (
+    ServiceSpec("credential-vault", "credential_vault", "VAULT_"),
+    ServiceSpec("taskapp-gateway", "taskapp_gateway", "GATEWAY_"),
+    ServiceSpec("rollout-generator", "rollout_generator", "GENERATOR_"),
+    ServiceSpec("learner", "learner", "LEARNER_"),
+    ServiceSpec("checkpoint-server", "checkpoint_server", "CHECKPOINT_SERVER_"),
+)
+SERVICES_BY_NAME = {s.name: s for s in SERVICES}
+
+
+class ServiceFailed(RuntimeError):
+    pass
+
+
+class ServiceProcess:
+    def __init__(
+        self,
+        spec: ServiceSpec,
+        port: int,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.spec = spec
+        self.host = host
+        self.port = port
+        self.log_path = log_path
+        self.env = {
+            **os.environ,
+            **(env or {}),
+            f"{spec.env_prefix}HOST": host,
+            f"{spec.env_prefix}PORT": str(port),
+        }
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.spec.module],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return self
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServiceFailed(
+                    f"{self.spec.name} exited with code {self.proc.returncode} before it was "
+                    f"healthy; its log ({self.log_path}):\n{self.log_tail()}"
+                )
+            try:
+                response = httpx.get(f"{self.url}/health", timeout=1.0)
+                if response.status_code == 200:
+                    return response.json()
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise ServiceFailed(f"{self.spec.name} was not healthy at {self.url} within {timeout_s:.0f}s")
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM, then SIGKILL if it has not stopped within `timeout_s`; the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        return self.proc.returncode

@@ -1,0 +1,101 @@
+"""Real infrastructure for tests (DESIGN.md §7): a broker and databases.
+
+Broker, in order: the one named by KAFKA_BOOTSTRAP_SERVERS; else a testcontainers Kafka
+container where a Docker engine answers; else the embedded Tansu subprocess.
+RLNODE_TEST_BROKER=tansu|docker forces one of the last two. Tests must not depend on
+which one they got: the broker may be shared, so they use unique job ids and groups.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+from rlnode.localbroker import LocalBroker
+
+BrokerKind = Literal["external", "testcontainers", "tansu"]
+KAFKA_IMAGE = "apache/kafka:3.9.1"
+
+
+@dataclass
+class BrokerHandle:
+    bootstrap_servers: str
+    kind: BrokerKind
+    local: LocalBroker | None = None
+
+
+def docker_engine_answers() -> bool:
+    try:
+        import docker
+
+        client = docker.from_env(timeout=3)
+        try:
+            return bool(client.ping())
+        finally:
+            client.close()
+    except Exception:
+        return False
+
+
+@contextlib.contextmanager
+def provide_broker() -> Iterator[BrokerHandle]:
+    explicit = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    forced = os.environ.get("RLNODE_TEST_BROKER", "").lower()
+    if explicit and not forced:
+        yield BrokerHandle(explicit, "external")
+        return
+    if forced == "docker" or (forced != "tansu" and docker_engine_answers()):
+        from testcontainers.kafka import KafkaContainer
+
+        with KafkaContainer(KAFKA_IMAGE).with_kraft() as container:
+            yield BrokerHandle(container.get_bootstrap_server(), "testcontainers")
+        return
+    with LocalBroker() as local:
+        yield BrokerHandle(local.bootstrap_servers, "tansu", local)
+
+
+def unique_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def postgres_admin_url() -> str | None:
+    """A PostgreSQL server URL to create test databases on, if one answers: DATABASE_URL
+    when it names PostgreSQL, else the local server on 127.0.0.1:5432."""
+    from sqlalchemy.engine import make_url
+
+    from rlnode.db import normalise_url
+
+    url = os.environ.get("DATABASE_URL")
+    if url and url.startswith(("postgres://", "postgresql")):
+        parsed = make_url(normalise_url(url))
+    else:
+        parsed = make_url("postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+    try:
+        with socket.create_connection((parsed.host or "127.0.0.1", parsed.port or 5432), timeout=1):
+            pass
+    except OSError:
+        return None
+    return parsed.set(database="postgres").render_as_string(hide_password=False)
+
+
+@contextlib.contextmanager
+def temporary_postgres_database(admin_url: str) -> Iterator[str]:
+    """Create a fresh database for one test and drop it afterwards."""
+    import psycopg
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(admin_url)
+    name = f"rlnode_test_{uuid.uuid4().hex[:16]}"
+    conninfo = parsed.set(drivername="postgresql").render_as_string(hide_password=False)
+    with psycopg.connect(conninfo, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield parsed.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with psycopg.connect(conninfo, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')

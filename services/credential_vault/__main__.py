@@ -1,0 +1,17 @@
+"""`python -m credential_vault`: run the credential-vault until SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+
+from rlnode.service import serve
+from credential_vault.app import create_app
+from credential_vault.settings import SERVICE_NAME, VaultSettings
+
+
+def main() -> int:
+    return serve(SERVICE_NAME, VaultSettings, create_app)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,12 @@
+"""HTTP wiring of the credential-vault."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI
+
+from rlnode.service import create_service_app
+from credential_vault.settings import SERVICE_NAME, VaultSettings
+
+
+def create_app(settings: VaultSettings) -> FastAPI:
+    return create_service_app(SERVICE_NAME, settings)

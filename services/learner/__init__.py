@@ -1,0 +1,1 @@
+"""rlnode learner: the job owner: policy updates, reference model, weight publishing and checkpoints."""

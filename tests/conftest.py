@@ -1,0 +1,103 @@
+"""Fixtures that give tests real infrastructure (DESIGN.md §7)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
+
+import pytest
+
+from rlnode.bus import Bus
+from rlnode.settings import KafkaSettings
+from rlnode.testing import (
+    BrokerHandle,
+    postgres_admin_url,
+    provide_broker,
+    temporary_postgres_database,
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    if not gpu_items:
+        return
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    except ImportError:
+        pass
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in gpu_items:
+        item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def isolated_data_dir(tmp_path, monkeypatch) -> None:
+    """No test writes to the user's ~/.rlnode."""
+    monkeypatch.setenv("RLNODE_DATA_DIR", str(tmp_path / "rlnode-data"))
+
+
+@pytest.fixture(scope="session")
+def kafka_broker() -> Iterator[BrokerHandle]:
+    with provide_broker() as handle:
+        yield handle
+
+
+@pytest.fixture
+def kafka_settings(kafka_broker: BrokerHandle) -> KafkaSettings:
+    # 6 s is Kafka's minimum session timeout; a shorter one makes the first group join
+    # (which waits for stragglers) quicker on Tansu.
+    return KafkaSettings(
+        bootstrap_servers=kafka_broker.bootstrap_servers,
+        session_timeout_ms=6000,
+        heartbeat_interval_ms=2000,
+    )
+
+
+@pytest.fixture
+async def make_bus(kafka_settings: KafkaSettings) -> AsyncIterator[Callable[..., Bus]]:
+    """Build buses that are stopped when the test ends; topics exist before the first one."""
+    buses: list[Bus] = []
+    created = False
+
+    def factory(service: str = "test", settings: KafkaSettings | None = None) -> Bus:
+        bus = Bus(settings or kafka_settings, service=service)
+        buses.append(bus)
+        return bus
+
+    async def ensure() -> None:
+        nonlocal created
+        if not created:
+            await Bus(kafka_settings, service="test-admin").ensure_topics()
+            created = True
+
+    await ensure()
+    yield factory
+    for bus in reversed(buses):
+        with contextlib.suppress(Exception):
+            await bus.stop()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path) -> Iterator[str]:
+    """A fresh, empty database: SQLite always, PostgreSQL where one answers."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path / 'test.sqlite3'}"
+        return
+    admin = postgres_admin_url()
+    if admin is None:
+        pytest.skip("PostgreSQL does not answer (DATABASE_URL or 127.0.0.1:5432)")
+    with temporary_postgres_database(admin) as url:
+        yield url
+
+
+async def next_matching(queue: asyncio.Queue, predicate: Callable[[object], bool], timeout: float = 30.0):
+    """The next item on `queue` that matches (others are dropped: the broker may be shared)."""
+    async with asyncio.timeout(timeout):
+        while True:
+            item = await queue.get()
+            if predicate(item):
+                return item

@@ -1,0 +1,264 @@
+"""The bus over a real broker: round trips, dead letters, ordering, commits, limits."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+
+import orjson
+import pytest
+from aiokafka import AIOKafkaProducer
+
+from rlnode import topics
+from rlnode.bus import Bus, BusUnavailable, RecordTooLarge
+from rlnode.codec import encode
+from rlnode.localbroker import free_port
+from rlnode.messages import DeadLetter, JobEvent, JobEventType, JobRequest, Trajectory
+from rlnode.messages.examples import example_payloads
+from rlnode.settings import KafkaSettings
+from rlnode.testing import unique_id
+from tests.conftest import next_matching
+
+pytestmark = pytest.mark.asyncio
+
+
+def _queue_handler(queue: asyncio.Queue):
+    async def handle(message, delivery) -> None:
+        await queue.put((message, delivery))
+
+    return handle
+
+
+async def test_every_message_type_round_trips(make_bus) -> None:
+    job_id, org_id = unique_id("job"), unique_id("org")
+    sent = example_payloads(job_id, org_id)
+    bus = make_bus("roundtrip")
+    received: dict[str, asyncio.Queue] = {t: asyncio.Queue() for t in topics.ALL_TOPICS}
+    # Group-less readers: group behaviour has tests of its own, and six group joins are slow.
+    for topic in topics.ALL_TOPICS:
+        bus.subscribe(topic, _queue_handler(received[topic]), group_id=None, commit="none")
+    await bus.start()
+    for message in sent:
+        await bus.publish(message)
+    for message in sent:
+        topic = next(t for t in topics.ALL_TOPICS if isinstance(message, topics.payload_type(t)))
+        got, delivery = await next_matching(received[topic], lambda item, m=message: item[0].id == m.id)
+        assert got == message
+        assert type(got) is type(message)
+        assert delivery.key == job_id.encode()
+
+
+async def test_malformed_records_are_dead_lettered_and_the_partition_moves_on(make_bus, kafka_settings) -> None:
+    job_id, org_id = unique_id("job"), unique_id("org")
+    key = job_id.encode()
+    bus = make_bus("learner-test")
+    good: asyncio.Queue = asyncio.Queue()
+    letters: asyncio.Queue = asyncio.Queue()
+    events: asyncio.Queue = asyncio.Queue()
+    bus.subscribe(topics.JOB_REQUESTS, _queue_handler(good), group_id=unique_id("learner"))
+    bus.subscribe(topics.DEAD_LETTERS, _queue_handler(letters), group_id=None, commit="none")
+    bus.subscribe(topics.JOB_EVENTS, _queue_handler(events), group_id=None, commit="none")
+    await bus.start()
+
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_settings.bootstrap_servers)
+    await producer.start()
+    try:
+        # Same key, so all three land on one partition, in this order.
+        not_json = await producer.send_and_wait(topics.JOB_REQUESTS, b"{definitely not json", key=key)
+        wrong_shape = orjson.dumps(
+            {"schema": "rlnode.JobRequest/1", "job_id": job_id, "org_id": org_id, "token": "t", "action": "launch"}
+        )
+        shape = await producer.send_and_wait(topics.JOB_REQUESTS, wrong_shape, key=key)
+        cancel = JobRequest(job_id=job_id, org_id=org_id, token="t", action="cancel")
+        ok = await producer.send_and_wait(topics.JOB_REQUESTS, encode(cancel), key=key)
+    finally:
+        await producer.stop()
+    assert not_json.partition == shape.partition == ok.partition
+
+    got, delivery = await next_matching(good, lambda item: item[0].job_id == job_id)
+    assert got == cancel and delivery.offset == ok.offset
+
+    first, _ = await next_matching(letters, lambda item: item[0].key == job_id and item[0].offset == not_json.offset)
+    assert isinstance(first, DeadLetter)
+    assert first.error == "decode" and "not valid JSON" in first.reason
+    assert base64.b64decode(first.payload_b64) == b"{definitely not json"
+    assert first.source_topic == topics.JOB_REQUESTS and first.consumer == "learner-test"
+    assert first.job_id is None  # it named no job that could be read
+
+    second, _ = await next_matching(letters, lambda item: item[0].key == job_id and item[0].offset == shape.offset)
+    assert second.error == "validation"
+    assert "action" in second.reason and "launch" in second.reason
+    assert second.job_id == job_id and second.org_id == org_id
+
+    # The job the bad request named is told why it was rejected.
+    event, _ = await next_matching(events, lambda item: item[0].job_id == job_id)
+    assert event.type is JobEventType.REJECTED
+    assert event.data["dead_letter_id"] == str(second.id)
+    assert "action" in event.data["reason"]
+
+
+async def test_a_failing_handler_dead_letters_the_record_and_goes_on(make_bus) -> None:
+    job_id = unique_id("job")
+    bus = make_bus("flaky")
+    seen: asyncio.Queue = asyncio.Queue()
+    letters: asyncio.Queue = asyncio.Queue()
+
+    async def handler(event: JobEvent, delivery) -> None:
+        if event.message == "explode":
+            raise RuntimeError("handler bug")
+        await seen.put(event)
+
+    bus.subscribe(topics.JOB_EVENTS, handler, group_id=unique_id("g"))
+    bus.subscribe(topics.DEAD_LETTERS, _queue_handler(letters), group_id=None, commit="none")
+    await bus.start()
+    for text in ("explode", "fine"):
+        await bus.publish(JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", message=text))
+    after = await next_matching(seen, lambda e: e.job_id == job_id)
+    assert after.message == "fine"
+    letter, _ = await next_matching(letters, lambda item: item[0].job_id == job_id)
+    assert letter.error == "handler" and "RuntimeError: handler bug" in letter.reason
+
+
+async def test_per_job_order_holds_across_partitions(make_bus, kafka_settings) -> None:
+    bus = make_bus("ordering")
+    topic_settings = kafka_settings
+    jobs = [unique_id(f"job{i}") for i in range(8)]
+    per_job = 25
+    received: dict[str, list[int]] = {j: [] for j in jobs}
+    done = asyncio.Event()
+    partitions: dict[str, set[int]] = {j: set() for j in jobs}
+
+    async def handler(event: JobEvent, delivery) -> None:
+        if event.job_id in received:
+            received[event.job_id].append(event.data["seq"])
+            partitions[event.job_id].add(delivery.partition)
+            if all(len(v) == per_job for v in received.values()):
+                done.set()
+
+    bus.subscribe(topics.JOB_EVENTS, handler, group_id=unique_id("g"))
+    await bus.start()
+    # Interleave the jobs, and send each round concurrently: order must still hold per job.
+    for seq in range(per_job):
+        await asyncio.gather(
+            *(
+                bus.publish(JobEvent(job_id=j, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}))
+                for j in jobs
+            )
+        )
+    await asyncio.wait_for(done.wait(), 60)
+    for job in jobs:
+        assert received[job] == list(range(per_job)), job
+        assert len(partitions[job]) == 1, "a job's records must stay in one partition"
+    used = set().union(*partitions.values())
+    assert len(used) > 1, "8 jobs over 3 partitions should use more than one"
+    assert topic_settings.partitions == 3
+
+
+async def test_topics_are_created_with_the_partition_count(make_bus, kafka_settings) -> None:
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    bus = make_bus("admin")
+    name = unique_id("rlnode.scratch")
+    assert await bus.ensure_topics((name,), partitions=5) == [name]
+    assert await bus.ensure_topics((name,), partitions=5) == []  # idempotent
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_settings.bootstrap_servers)
+    await admin.start()
+    try:
+        (description,) = await admin.describe_topics([name])
+    finally:
+        await admin.close()
+    assert len(description["partitions"]) == 5
+
+
+async def test_committed_offsets_survive_a_consumer_restart(make_bus) -> None:
+    job_id, group = unique_id("job"), unique_id("g")
+
+    async def consume_until(count_or_quiet: int) -> list[int]:
+        bus = make_bus("restart")
+        got: asyncio.Queue = asyncio.Queue()
+        bus.subscribe(topics.JOB_EVENTS, _queue_handler(got), group_id=group)
+        await bus.start()
+        seqs = []
+        for _ in range(count_or_quiet):
+            event, _ = await next_matching(got, lambda item: item[0].job_id == job_id)
+            seqs.append(event.data["seq"])
+        await bus.stop()
+        return seqs
+
+    producer = make_bus("producer")
+    await producer.start()
+    for seq in range(3):
+        await producer.publish(JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}))
+    assert await consume_until(3) == [0, 1, 2]
+    for seq in range(3, 5):
+        await producer.publish(JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}))
+    # A new consumer in the same group starts after what was committed: nothing twice.
+    assert await consume_until(2) == [3, 4]
+
+
+async def test_manual_commit_redelivers_what_was_not_committed(make_bus) -> None:
+    job_id, group = unique_id("job"), unique_id("g")
+    producer = make_bus("producer")
+    await producer.start()
+    for seq in range(4):
+        await producer.publish(JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}))
+
+    async def run(commit_at: int | None, want: int) -> list[int]:
+        bus = make_bus("manual")
+        got: asyncio.Queue = asyncio.Queue()
+
+        async def handler(event: JobEvent, delivery) -> None:
+            if event.job_id == job_id:
+                if event.data["seq"] == commit_at:
+                    await delivery.commit()
+                await got.put(event.data["seq"])
+
+        bus.subscribe(topics.JOB_EVENTS, handler, group_id=group, commit="manual")
+        await bus.start()
+        seqs = [await asyncio.wait_for(got.get(), 30) for _ in range(want)]
+        await bus.stop()
+        return seqs
+
+    assert await run(commit_at=1, want=4) == [0, 1, 2, 3]  # only 0..1 committed
+    assert await run(commit_at=None, want=2) == [2, 3]
+
+
+async def test_an_oversized_record_is_refused_with_the_limit(make_bus, kafka_settings) -> None:
+    small = KafkaSettings(bootstrap_servers=kafka_settings.bootstrap_servers, max_message_bytes=1024 * 1024)
+    bus = make_bus("big", small)
+    await bus.start()
+    ok = next(m for m in example_payloads(unique_id("job"), "o") if isinstance(m, Trajectory) and m.status == "ok")
+    turn = ok.turns[0].model_copy(update={"completion_ids": [7] * 1_000_000, "logprobs": [-0.5] * 1_000_000})
+    huge = ok.model_copy(update={"turns": [turn]})
+    with pytest.raises(RecordTooLarge, match=r"does not fit rlnode.trajectories \(limit 4,194,304 bytes\)"):
+        await bus.publish(huge)
+
+
+async def test_a_long_episode_fits_after_compression(make_bus) -> None:
+    """A 200k-token episode (ids + logprobs, ~3 MB of JSON) goes through whole."""
+    job_id = unique_id("job")
+    bus = make_bus("long")
+    got: asyncio.Queue = asyncio.Queue()
+    bus.subscribe(topics.TRAJECTORIES, _queue_handler(got), group_id=unique_id("g"))
+    await bus.start()
+    ok = next(m for m in example_payloads(job_id, "o") if isinstance(m, Trajectory) and m.status == "ok")
+    turns = [
+        ok.turns[0].model_copy(
+            update={"completion_ids": [(i * 7919 + t) % 32000 for i in range(20_000)], "logprobs": [-(i % 97) / 13 for i in range(20_000)]}
+        )
+        for t in range(10)
+    ]
+    long = ok.model_copy(update={"turns": turns})
+    assert len(encode(long)) > 2_000_000
+    await bus.publish(long)
+    received, _ = await next_matching(got, lambda item: item[0].id == long.id, timeout=60)
+    assert received == long
+
+
+async def test_an_unreachable_broker_is_reported_clearly() -> None:
+    settings = KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}", request_timeout_ms=2000)
+    bus = Bus(settings, service="nowhere")
+    with pytest.raises(BusUnavailable, match="cannot reach Kafka at 127.0.0.1:.*KAFKA_BOOTSTRAP_SERVERS"):
+        await bus.start()
+    with pytest.raises(BusUnavailable, match="cannot reach Kafka"):
+        await bus.ensure_topics()

@@ -1,0 +1,48 @@
+"""Each service is a process of its own: it starts, answers /health, and stops cleanly on
+SIGTERM. Bad settings stop it at once with a message that names the setting."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from rlnode.localbroker import free_port
+from rlnode.process import SERVICES, ServiceProcess
+
+
+@pytest.mark.parametrize("spec", SERVICES, ids=[s.name for s in SERVICES])
+def test_service_starts_answers_health_and_stops_on_sigterm(spec, tmp_path) -> None:
+    service = ServiceProcess(spec, free_port(), tmp_path / f"{spec.name}.log").start()
+    try:
+        health = service.wait_healthy()
+        assert health["status"] == "ok"
+        assert health["service"] == spec.name
+        assert health["pid"] == service.proc.pid
+    finally:
+        code = service.stop()
+    assert code == 0, service.log_tail()
+    assert "Application shutdown complete" in service.log_tail()
+
+
+@pytest.mark.parametrize("spec", SERVICES[:2], ids=[s.name for s in SERVICES[:2]])
+def test_bad_settings_stop_start_up_with_a_clear_message(spec) -> None:
+    env = {**os.environ, f"{spec.env_prefix}PORT": "not-a-port"}
+    result = subprocess.run([sys.executable, "-m", spec.module], env=env, capture_output=True, timeout=60)
+    assert result.returncode == 2
+    message = result.stderr.decode()
+    assert f"{spec.name}: bad settings" in message and "port" in message and "not-a-port" in message
+
+
+def test_a_taken_port_is_a_failure_not_a_hang() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "LEARNER_PORT": str(port)}
+        result = subprocess.run([sys.executable, "-m", "learner"], env=env, capture_output=True, timeout=60)
+    assert result.returncode != 0
+    assert b"address already in use" in result.stderr.lower()

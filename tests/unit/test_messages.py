@@ -1,0 +1,172 @@
+"""The contract models: what they accept, what they refuse, and how they say why."""
+
+from __future__ import annotations
+
+import uuid
+
+import orjson
+import pytest
+from pydantic import ValidationError
+
+from rlnode.codec import DecodeError, decode, decode_any, describe_validation_error, encode
+from rlnode.messages import (
+    EVENT_DATA,
+    PAYLOAD_TYPES,
+    JobConfig,
+    JobEvent,
+    JobEventType,
+    JobRequest,
+    ParityProbe,
+    TokenTurn,
+    Trajectory,
+    WeightVersion,
+)
+from rlnode.messages.examples import example_config, example_payloads
+
+
+@pytest.mark.parametrize("message", example_payloads(), ids=lambda m: f"{type(m).__name__}")
+def test_every_payload_round_trips_through_json(message) -> None:
+    raw = encode(message)
+    assert decode(raw, type(message)) == message
+    assert decode_any(raw) == message
+
+
+def test_examples_cover_every_payload_type() -> None:
+    assert {type(m) for m in example_payloads()} == set(PAYLOAD_TYPES.values())
+
+
+def test_envelope_fields_are_on_the_wire() -> None:
+    for message in example_payloads():
+        document = orjson.loads(encode(message))
+        assert document["schema"] == type(message).SCHEMA
+        uuid.UUID(document["id"])
+        assert document["ts"].endswith("+00:00")
+        assert document["job_id"] == "job-example" and document["org_id"] == "org-example"
+
+
+def test_a_record_of_one_type_is_refused_as_another() -> None:
+    event = JobEvent(job_id="j", org_id="o", type=JobEventType.STARTED, source="learner")
+    with pytest.raises(DecodeError) as info:
+        decode(encode(event), JobRequest)
+    assert info.value.kind == "validation"
+    assert "schema" in info.value.reason
+
+
+def test_not_json_is_a_decode_error() -> None:
+    with pytest.raises(DecodeError) as info:
+        decode(b"\x00garbage", JobEvent)
+    assert info.value.kind == "decode"
+    assert "not valid JSON" in info.value.reason
+
+
+def test_unknown_schema_names_the_known_ones() -> None:
+    with pytest.raises(DecodeError, match="unknown schema 'rlnode.Nope/1'.*rlnode.JobEvent/1"):
+        decode_any(b'{"schema": "rlnode.Nope/1"}')
+
+
+def test_start_needs_config_and_cancel_takes_none() -> None:
+    with pytest.raises(ValidationError, match="'start' request needs a config"):
+        JobRequest(job_id="j", org_id="o", token="t")
+    with pytest.raises(ValidationError, match="'cancel' request takes no config"):
+        JobRequest(job_id="j", org_id="o", token="t", action="cancel", config=example_config())
+    JobRequest(job_id="j", org_id="o", token="t", action="cancel")
+
+
+@pytest.mark.parametrize("bad", ["../etc", "a/b", "job@3", "", "-lead", "x" * 129, "sp ace"])
+def test_ids_are_path_and_model_name_safe(bad: str) -> None:
+    with pytest.raises(ValidationError):
+        JobEvent(job_id=bad, org_id="o", type=JobEventType.STARTED, source="s")
+
+
+def test_the_token_is_not_in_repr_nor_echoed_in_errors() -> None:
+    request = JobRequest(job_id="j", org_id="o", token="rln_super-secret", config=example_config())
+    assert "rln_super-secret" not in repr(request)
+    with pytest.raises(ValidationError) as info:
+        JobRequest(job_id="j", org_id="o", token=12345, config=example_config())
+    text = describe_validation_error(info.value, "JobRequest")
+    assert "token" in text and "12345" not in text and "withheld" in text
+
+
+def test_unknown_config_keys_are_reported_by_path() -> None:
+    document = example_config().model_dump()
+    document["training"]["learning_rte"] = 1e-5
+    with pytest.raises(ValidationError) as info:
+        JobConfig.model_validate(document)
+    text = describe_validation_error(info.value, "JobConfig")
+    assert "training.learning_rte: Extra inputs are not permitted" in text
+
+
+def test_kl_without_reference_says_how_to_fix_it() -> None:
+    document = example_config().model_dump()
+    document["training"]["kl_coef"] = 0.1
+    document["topology"]["reference"] = "none"
+    with pytest.raises(ValidationError, match="set topology.reference to 'auto'"):
+        JobConfig.model_validate(document)
+
+
+def test_group_size_one_is_refused_for_grpo() -> None:
+    document = example_config().model_dump()
+    document["training"]["group_size"] = 1
+    with pytest.raises(ValidationError, match="group_size"):
+        JobConfig.model_validate(document)
+
+
+def test_turn_logprobs_must_align_with_tokens() -> None:
+    with pytest.raises(ValidationError, match="2 logprobs for 3 completion tokens"):
+        TokenTurn(prompt_ids=[1], completion_ids=[1, 2, 3], logprobs=[0.0, 0.0], policy_version=0, finish_reason="stop")
+    with pytest.raises(ValidationError, match="1 ref_logprobs for 2"):
+        TokenTurn(prompt_ids=[1], completion_ids=[1, 2], logprobs=[0.0, 0.0], ref_logprobs=[0.0], policy_version=0, finish_reason="length")
+
+
+def _trajectory(**changes) -> Trajectory:
+    ok = next(m for m in example_payloads() if isinstance(m, Trajectory) and m.status == "ok")
+    return Trajectory.model_validate({**ok.model_dump(), **changes})
+
+
+def test_trajectory_status_rules() -> None:
+    with pytest.raises(ValidationError, match="needs a reward"):
+        _trajectory(reward=None)
+    with pytest.raises(ValidationError, match="needs at least one turn"):
+        _trajectory(turns=[])
+    with pytest.raises(ValidationError, match="needs a failure"):
+        _trajectory(status="failed")
+    with pytest.raises(ValidationError, match="carries no failure"):
+        _trajectory(failure={"kind": "timeout", "message": "x"})
+    assert _trajectory().policy_versions == (2, 2)
+
+
+def test_nan_rewards_are_refused() -> None:
+    with pytest.raises(ValidationError):
+        _trajectory(reward=float("nan"))
+    with pytest.raises(DecodeError):
+        # orjson writes NaN as null, which an 'ok' trajectory refuses
+        decode(encode(_trajectory()).replace(b'"reward":0.75', b'"reward":null'), Trajectory)
+
+
+def test_weight_version_must_point_into_the_store_with_a_digest() -> None:
+    wv = next(m for m in example_payloads() if isinstance(m, WeightVersion))
+    with pytest.raises(ValidationError, match="uri"):
+        WeightVersion.model_validate({**wv.model_dump(), "uri": "s3://bucket/w"})
+    with pytest.raises(ValidationError, match="sha256"):
+        WeightVersion.model_validate({**wv.model_dump(), "sha256": "abc"})
+    with pytest.raises(ValidationError, match="a probe of 3 tokens has 2 logprobs, not 1"):
+        ParityProbe(token_ids=[1, 2, 3], logprobs=[0.0])
+
+
+def test_event_data_is_checked_against_its_type() -> None:
+    with pytest.raises(ValidationError, match="reason"):
+        JobEvent(job_id="j", org_id="o", type=JobEventType.FAILED, source="learner", data={})
+    with pytest.raises(ValidationError, match="loss"):
+        JobEvent(job_id="j", org_id="o", type=JobEventType.TRAIN_STEP, source="learner", data={"step": 1})
+    event = JobEvent(
+        job_id="j", org_id="o", type=JobEventType.FAILED, source="learner",
+        data={"reason": "out of memory", "device": "cuda:0"},
+    )
+    assert event.typed_data().reason == "out of memory"
+    assert event.data["device"] == "cuda:0"  # producers may add fields
+
+
+def test_terminal_events() -> None:
+    terminal = {t for t in JobEventType if t.is_terminal}
+    assert terminal == {JobEventType.REJECTED, JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.CANCELLED}
+    assert set(EVENT_DATA) <= set(JobEventType)

@@ -1,0 +1,45 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from pydantic import ValidationError
+
+from rlnode.db import normalise_url, redacted_url
+from rlnode.settings import DatabaseSettings, KafkaSettings, NodeSettings
+
+
+def test_kafka_settings_come_from_the_environment(monkeypatch) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", " kafka-1:9092,kafka-2:9092 ")
+    monkeypatch.setenv("KAFKA_PARTITIONS", "6")
+    monkeypatch.setenv("KAFKA_COMPRESSION", "gzip")
+    settings = KafkaSettings()
+    assert settings.bootstrap_servers == "kafka-1:9092,kafka-2:9092"
+    assert settings.partitions == 6 and settings.compression == "gzip"
+
+
+def test_kafka_settings_refuse_nonsense(monkeypatch) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP_SERVERS", "   ")
+    with pytest.raises(ValidationError, match="KAFKA_BOOTSTRAP_SERVERS is empty"):
+        KafkaSettings()
+    monkeypatch.delenv("KAFKA_BOOTSTRAP_SERVERS")
+    with pytest.raises(ValidationError, match="at most a third of KAFKA_SESSION_TIMEOUT_MS"):
+        KafkaSettings(session_timeout_ms=6000, heartbeat_interval_ms=3000)
+    with pytest.raises(ValidationError):
+        KafkaSettings(compression="brotli")
+
+
+def test_database_defaults_to_sqlite_under_the_data_dir(monkeypatch, tmp_path: Path) -> None:
+    monkeypatch.setenv("RLNODE_DATA_DIR", str(tmp_path))
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    assert DatabaseSettings().url_for("credential-vault") == f"sqlite:///{tmp_path}/db/credential-vault.sqlite3"
+    assert NodeSettings().checkpoint_dir == tmp_path / "checkpoints"
+    monkeypatch.setenv("DATABASE_URL", "postgresql://u:p@db:5432/rlnode")
+    assert DatabaseSettings().url_for("credential-vault") == "postgresql://u:p@db:5432/rlnode"
+
+
+def test_database_urls_are_normalised_and_redacted() -> None:
+    assert normalise_url("postgres://u:p@h/d") == "postgresql+psycopg://u:p@h/d"
+    assert normalise_url("postgresql://u@h/d") == "postgresql+psycopg://u@h/d"
+    assert normalise_url("sqlite:///x.db") == "sqlite:///x.db"
+    assert "hunter2" not in redacted_url("postgresql://u:hunter2@h/d")
