@@ -94,9 +94,11 @@ def database_url(request, tmp_path) -> Iterator[str]:
         yield url
 
 
-async def next_matching(queue: asyncio.Queue, predicate: Callable[[object], bool], timeout: float = 30.0):
+async def next_matching(
+    queue: asyncio.Queue, predicate: Callable[[object], bool], within_s: float = 30.0
+):
     """The next item on `queue` that matches (others are dropped: the broker may be shared)."""
-    async with asyncio.timeout(timeout):
+    async with asyncio.timeout(within_s):
         while True:
             item = await queue.get()
             if predicate(item):

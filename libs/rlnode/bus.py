@@ -134,7 +134,7 @@ class Bus:
     async def start(self) -> None:
         try:
             await self.broker.start()
-        except (KafkaConnectionError, OSError, asyncio.TimeoutError) as e:
+        except (TimeoutError, KafkaConnectionError, OSError) as e:
             raise BusUnavailable(self._unreachable(e)) from e
         self._started = True
 
@@ -194,7 +194,7 @@ class Bus:
         model: type[M] | None = None,
         commit: CommitMode = "after_handle",
         from_beginning: bool = True,
-        reject_event: JobEventType | None | Literal["default"] = "default",
+        reject_event: JobEventType | Literal["default"] | None = "default",
         max_records: int | None = None,
     ) -> Subscription[M]:
         """Call `handler(payload, delivery)` for each record of `topic`, in order per partition.
@@ -241,17 +241,30 @@ class Bus:
             try:
                 payload = _decode_record(record.value, model)
             except DecodeError as e:
-                await self._dead_letter(delivery, record.value, e.kind, e.reason, group_id, event, e.document)
+                await self._dead_letter(
+                    delivery, record.value, e.kind, e.reason, group_id, event, e.document
+                )
                 return
             try:
                 await handler(payload, delivery)
             except asyncio.CancelledError:
                 raise
             except Exception as e:
-                log.exception("%s: handler for %s failed at %s/%s", self.service, topic, record.partition, record.offset)
+                log.exception(
+                    "%s: handler for %s failed at %s/%s",
+                    self.service,
+                    topic,
+                    record.partition,
+                    record.offset,
+                )
                 reason = f"the handler failed: {type(e).__name__}: {e}"
-                named = {"job_id": getattr(payload, "job_id", None), "org_id": getattr(payload, "org_id", None)}
-                await self._dead_letter(delivery, record.value, "handler", reason, group_id, event, named)
+                named = {
+                    "job_id": getattr(payload, "job_id", None),
+                    "org_id": getattr(payload, "org_id", None),
+                }
+                await self._dead_letter(
+                    delivery, record.value, "handler", reason, group_id, event, named
+                )
 
         subscriber(on_record)
         return Subscription(topic=topic, group_id=group_id, model=model, subscriber=subscriber)
@@ -289,7 +302,11 @@ class Bus:
         )
         log.warning(
             "%s: dead-lettered %s[%s]@%s: %s",
-            self.service, delivery.topic, delivery.partition, delivery.offset, reason,
+            self.service,
+            delivery.topic,
+            delivery.partition,
+            delivery.offset,
+            reason,
         )
         if delivery.topic == topics.DEAD_LETTERS:
             return  # never loop: a bad dead letter is only logged
@@ -314,7 +331,9 @@ class Bus:
                 )
         except KafkaError:
             # Losing the dead letter is worse than re-reading the record: don't commit it.
-            log.exception("%s: could not publish the dead letter; the record stays uncommitted", self.service)
+            log.exception(
+                "%s: could not publish the dead letter; the record stays uncommitted", self.service
+            )
             raise
 
 

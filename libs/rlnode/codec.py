@@ -43,7 +43,9 @@ def decode(raw: bytes | str, model: type[M]) -> M:
     try:
         return model.model_validate(document)
     except ValidationError as e:
-        raise DecodeError("validation", describe_validation_error(e, model.__name__), document) from None
+        raise DecodeError(
+            "validation", describe_validation_error(e, model.__name__), document
+        ) from None
 
 
 def decode_any(raw: bytes | str) -> Stamped:
@@ -53,11 +55,15 @@ def decode_any(raw: bytes | str) -> Stamped:
     model = PAYLOAD_TYPES.get(tag) if isinstance(tag, str) else None
     if model is None:
         known = ", ".join(sorted(PAYLOAD_TYPES))
-        raise DecodeError("validation", f"unknown schema {tag!r}; expected one of {known}", document)
+        raise DecodeError(
+            "validation", f"unknown schema {tag!r}; expected one of {known}", document
+        )
     try:
         return model.model_validate(document)
     except ValidationError as e:
-        raise DecodeError("validation", describe_validation_error(e, model.__name__), document) from None
+        raise DecodeError(
+            "validation", describe_validation_error(e, model.__name__), document
+        ) from None
 
 
 def describe_validation_error(error: ValidationError, what: str, limit: int = 8) -> str:

@@ -72,7 +72,9 @@ def _sqlite_pragmas(dbapi_connection: Any, _record: Any) -> None:
     cursor.close()
 
 
-def engine_for(service: str, settings: DatabaseSettings | None = None, node: NodeSettings | None = None) -> Engine:
+def engine_for(
+    service: str, settings: DatabaseSettings | None = None, node: NodeSettings | None = None
+) -> Engine:
     settings = settings or DatabaseSettings()
     return make_engine(settings.url_for(service, node), echo=settings.echo_sql)
 

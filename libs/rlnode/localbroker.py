@@ -59,11 +59,15 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def wait_for_port(host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None) -> None:
+def wait_for_port(
+    host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
-            raise BrokerStartError(f"the broker exited with code {proc.returncode} before listening")
+            raise BrokerStartError(
+                f"the broker exited with code {proc.returncode} before listening"
+            )
         with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
             return
         time.sleep(0.05)
@@ -115,10 +119,14 @@ class LocalBroker:
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
                 [
-                    binary, "broker",
-                    "--listener-url", url,
-                    "--advertised-listener-url", url,
-                    "--storage-engine", "memory://tansu/",
+                    binary,
+                    "broker",
+                    "--listener-url",
+                    url,
+                    "--advertised-listener-url",
+                    url,
+                    "--storage-engine",
+                    "memory://tansu/",
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=log,

@@ -95,7 +95,9 @@ class ServiceProcess:
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
-        raise ServiceFailed(f"{self.spec.name} was not healthy at {self.url} within {timeout_s:.0f}s")
+        raise ServiceFailed(
+            f"{self.spec.name} was not healthy at {self.url} within {timeout_s:.0f}s"
+        )
 
     def stop(self, timeout_s: float = 20.0) -> int:
         """SIGTERM, then SIGKILL if it has not stopped within `timeout_s`; the exit code."""

@@ -18,12 +18,36 @@ JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
 # Who produces and who consumes each topic (DESIGN.md §2).
 TOPIC_ROLES: dict[str, tuple[str, str, str]] = {
-    topics.JOB_REQUESTS: ("users (CLI, SDK, any Kafka client)", "learner (group learner)", "Start or cancel a job."),
-    topics.JOB_EVENTS: ("every service", "users, checkpoint-server, CLI watch", "What happened to a job."),
-    topics.ROLLOUT_WORK: ("learner", "rollout-generators (group rollout-generator)", "Rollouts to run."),
-    topics.TRAJECTORIES: ("rollout-generators", "learner", "Recorded episodes with rewards, or why they failed."),
-    topics.WEIGHT_VERSIONS: ("learner", "rollout-generators, checkpoint-server", "New policy weights in the checkpoint store."),
-    topics.DEAD_LETTERS: ("any consumer", "operators", "Records a consumer could not use, with the reason."),
+    topics.JOB_REQUESTS: (
+        "users (CLI, SDK, any Kafka client)",
+        "learner (group learner)",
+        "Start or cancel a job.",
+    ),
+    topics.JOB_EVENTS: (
+        "every service",
+        "users, checkpoint-server, CLI watch",
+        "What happened to a job.",
+    ),
+    topics.ROLLOUT_WORK: (
+        "learner",
+        "rollout-generators (group rollout-generator)",
+        "Rollouts to run.",
+    ),
+    topics.TRAJECTORIES: (
+        "rollout-generators",
+        "learner",
+        "Recorded episodes with rewards, or why they failed.",
+    ),
+    topics.WEIGHT_VERSIONS: (
+        "learner",
+        "rollout-generators, checkpoint-server",
+        "New policy weights in the checkpoint store.",
+    ),
+    topics.DEAD_LETTERS: (
+        "any consumer",
+        "operators",
+        "Records a consumer could not use, with the reason.",
+    ),
 }
 
 
@@ -37,7 +61,7 @@ def payload_schema(model: type) -> dict[str, Any]:
 
 
 def schema_urn(tag: str, fragment: str = "") -> str:
-    """"rlnode.JobRequest/1" -> "urn:rlnode:schema:JobRequest:1"."""
+    """ "rlnode.JobRequest/1" -> "urn:rlnode:schema:JobRequest:1"."""
     name, version = tag.removeprefix("rlnode.").split("/")
     return f"urn:rlnode:schema:{name}:{version}{fragment}"
 
@@ -101,7 +125,11 @@ def render() -> dict[str, str]:
     for event_type, model in EVENT_DATA.items():
         schema = model.model_json_schema()
         files[f"events/{event_type.value}.schema.json"] = _dump(
-            {"$schema": JSON_SCHEMA_DIALECT, "$id": schema_urn(JobEvent.SCHEMA, f"#data/{event_type.value}"), **schema}
+            {
+                "$schema": JSON_SCHEMA_DIALECT,
+                "$id": schema_urn(JobEvent.SCHEMA, f"#data/{event_type.value}"),
+                **schema,
+            }
         )
     files["asyncapi.json"] = _dump(asyncapi_document())
     return files
@@ -150,7 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         for p in problems:
             print(p, file=sys.stderr)
         if problems:
-            print(f"{args.directory} is out of date with the models: run `make proto`", file=sys.stderr)
+            print(
+                f"{args.directory} is out of date with the models: run `make proto`",
+                file=sys.stderr,
+            )
             return 1
         print(f"{args.directory} is up to date")
         return 0

@@ -70,7 +70,9 @@ def serve(service: str, settings_type: type[S], app_factory: Callable[[S], FastA
     except ValidationError as e:
         from rlnode.codec import describe_validation_error
 
-        print(f"{service}: bad settings: {describe_validation_error(e, 'settings')}", file=sys.stderr)
+        print(
+            f"{service}: bad settings: {describe_validation_error(e, 'settings')}", file=sys.stderr
+        )
         return 2
     configure_logging(service, settings.log_level)
     app = app_factory(settings)

@@ -40,4 +40,6 @@ def payload_type(topic: str) -> type:
     try:
         return types[topic]
     except KeyError:
-        raise ValueError(f"unknown topic {topic!r}; rlnode's topics are {', '.join(ALL_TOPICS)}") from None
+        raise ValueError(
+            f"unknown topic {topic!r}; rlnode's topics are {', '.join(ALL_TOPICS)}"
+        ) from None

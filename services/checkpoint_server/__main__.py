@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from rlnode.service import serve
 from checkpoint_server.app import create_app
 from checkpoint_server.settings import SERVICE_NAME, CheckpointServerSettings
+from rlnode.service import serve
 
 
 def main() -> int:

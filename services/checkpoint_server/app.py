@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from rlnode.service import create_service_app
 from checkpoint_server.settings import SERVICE_NAME, CheckpointServerSettings
+from rlnode.service import create_service_app
 
 
 def create_app(settings: CheckpointServerSettings) -> FastAPI:

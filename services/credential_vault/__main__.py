@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from rlnode.service import serve
 from credential_vault.app import create_app
 from credential_vault.settings import SERVICE_NAME, VaultSettings
+from rlnode.service import serve
 
 
 def main() -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from rlnode.service import create_service_app
 from credential_vault.settings import SERVICE_NAME, VaultSettings
+from rlnode.service import create_service_app
 
 
 def create_app(settings: VaultSettings) -> FastAPI:

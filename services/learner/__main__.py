@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import sys
 
-from rlnode.service import serve
 from learner.app import create_app
 from learner.settings import SERVICE_NAME, LearnerSettings
+from rlnode.service import serve
 
 
 def main() -> int:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 
-from rlnode.service import create_service_app
 from learner.settings import SERVICE_NAME, LearnerSettings
+from rlnode.service import create_service_app
 
 
 def create_app(settings: LearnerSettings) -> FastAPI:

@@ -42,13 +42,17 @@ async def test_every_message_type_round_trips(make_bus) -> None:
         await bus.publish(message)
     for message in sent:
         topic = next(t for t in topics.ALL_TOPICS if isinstance(message, topics.payload_type(t)))
-        got, delivery = await next_matching(received[topic], lambda item, m=message: item[0].id == m.id)
+        got, delivery = await next_matching(
+            received[topic], lambda item, m=message: item[0].id == m.id
+        )
         assert got == message
         assert type(got) is type(message)
         assert delivery.key == job_id.encode()
 
 
-async def test_malformed_records_are_dead_lettered_and_the_partition_moves_on(make_bus, kafka_settings) -> None:
+async def test_malformed_records_are_dead_lettered_and_the_partition_moves_on(
+    make_bus, kafka_settings
+) -> None:
     job_id, org_id = unique_id("job"), unique_id("org")
     key = job_id.encode()
     bus = make_bus("learner-test")
@@ -64,9 +68,17 @@ async def test_malformed_records_are_dead_lettered_and_the_partition_moves_on(ma
     await producer.start()
     try:
         # Same key, so all three land on one partition, in this order.
-        not_json = await producer.send_and_wait(topics.JOB_REQUESTS, b"{definitely not json", key=key)
+        not_json = await producer.send_and_wait(
+            topics.JOB_REQUESTS, b"{definitely not json", key=key
+        )
         wrong_shape = orjson.dumps(
-            {"schema": "rlnode.JobRequest/1", "job_id": job_id, "org_id": org_id, "token": "t", "action": "launch"}
+            {
+                "schema": "rlnode.JobRequest/1",
+                "job_id": job_id,
+                "org_id": org_id,
+                "token": "t",
+                "action": "launch",
+            }
         )
         shape = await producer.send_and_wait(topics.JOB_REQUESTS, wrong_shape, key=key)
         cancel = JobRequest(job_id=job_id, org_id=org_id, token="t", action="cancel")
@@ -78,14 +90,18 @@ async def test_malformed_records_are_dead_lettered_and_the_partition_moves_on(ma
     got, delivery = await next_matching(good, lambda item: item[0].job_id == job_id)
     assert got == cancel and delivery.offset == ok.offset
 
-    first, _ = await next_matching(letters, lambda item: item[0].key == job_id and item[0].offset == not_json.offset)
+    first, _ = await next_matching(
+        letters, lambda item: item[0].key == job_id and item[0].offset == not_json.offset
+    )
     assert isinstance(first, DeadLetter)
     assert first.error == "decode" and "not valid JSON" in first.reason
     assert base64.b64decode(first.payload_b64) == b"{definitely not json"
     assert first.source_topic == topics.JOB_REQUESTS and first.consumer == "learner-test"
     assert first.job_id is None  # it named no job that could be read
 
-    second, _ = await next_matching(letters, lambda item: item[0].key == job_id and item[0].offset == shape.offset)
+    second, _ = await next_matching(
+        letters, lambda item: item[0].key == job_id and item[0].offset == shape.offset
+    )
     assert second.error == "validation"
     assert "action" in second.reason and "launch" in second.reason
     assert second.job_id == job_id and second.org_id == org_id
@@ -112,7 +128,9 @@ async def test_a_failing_handler_dead_letters_the_record_and_goes_on(make_bus) -
     bus.subscribe(topics.DEAD_LETTERS, _queue_handler(letters), group_id=None, commit="none")
     await bus.start()
     for text in ("explode", "fine"):
-        await bus.publish(JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", message=text))
+        await bus.publish(
+            JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", message=text)
+        )
     after = await next_matching(seen, lambda e: e.job_id == job_id)
     assert after.message == "fine"
     letter, _ = await next_matching(letters, lambda item: item[0].job_id == job_id)
@@ -141,7 +159,15 @@ async def test_per_job_order_holds_across_partitions(make_bus, kafka_settings) -
     for seq in range(per_job):
         await asyncio.gather(
             *(
-                bus.publish(JobEvent(job_id=j, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}))
+                bus.publish(
+                    JobEvent(
+                        job_id=j,
+                        org_id="o",
+                        type=JobEventType.QUEUED,
+                        source="t",
+                        data={"seq": seq},
+                    )
+                )
                 for j in jobs
             )
         )
@@ -188,10 +214,18 @@ async def test_committed_offsets_survive_a_consumer_restart(make_bus) -> None:
     producer = make_bus("producer")
     await producer.start()
     for seq in range(3):
-        await producer.publish(JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}))
+        await producer.publish(
+            JobEvent(
+                job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}
+            )
+        )
     assert await consume_until(3) == [0, 1, 2]
     for seq in range(3, 5):
-        await producer.publish(JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}))
+        await producer.publish(
+            JobEvent(
+                job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}
+            )
+        )
     # A new consumer in the same group starts after what was committed: nothing twice.
     assert await consume_until(2) == [3, 4]
 
@@ -201,7 +235,11 @@ async def test_manual_commit_redelivers_what_was_not_committed(make_bus) -> None
     producer = make_bus("producer")
     await producer.start()
     for seq in range(4):
-        await producer.publish(JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}))
+        await producer.publish(
+            JobEvent(
+                job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t", data={"seq": seq}
+            )
+        )
 
     async def run(commit_at: int | None, want: int) -> list[int]:
         bus = make_bus("manual")
@@ -224,13 +262,23 @@ async def test_manual_commit_redelivers_what_was_not_committed(make_bus) -> None
 
 
 async def test_an_oversized_record_is_refused_with_the_limit(make_bus, kafka_settings) -> None:
-    small = KafkaSettings(bootstrap_servers=kafka_settings.bootstrap_servers, max_message_bytes=1024 * 1024)
+    small = KafkaSettings(
+        bootstrap_servers=kafka_settings.bootstrap_servers, max_message_bytes=1024 * 1024
+    )
     bus = make_bus("big", small)
     await bus.start()
-    ok = next(m for m in example_payloads(unique_id("job"), "o") if isinstance(m, Trajectory) and m.status == "ok")
-    turn = ok.turns[0].model_copy(update={"completion_ids": [7] * 1_000_000, "logprobs": [-0.5] * 1_000_000})
+    ok = next(
+        m
+        for m in example_payloads(unique_id("job"), "o")
+        if isinstance(m, Trajectory) and m.status == "ok"
+    )
+    turn = ok.turns[0].model_copy(
+        update={"completion_ids": [7] * 1_000_000, "logprobs": [-0.5] * 1_000_000}
+    )
     huge = ok.model_copy(update={"turns": [turn]})
-    with pytest.raises(RecordTooLarge, match=r"does not fit rlnode.trajectories \(limit 4,194,304 bytes\)"):
+    with pytest.raises(
+        RecordTooLarge, match=r"does not fit rlnode.trajectories \(limit 4,194,304 bytes\)"
+    ):
         await bus.publish(huge)
 
 
@@ -241,24 +289,31 @@ async def test_a_long_episode_fits_after_compression(make_bus) -> None:
     got: asyncio.Queue = asyncio.Queue()
     bus.subscribe(topics.TRAJECTORIES, _queue_handler(got), group_id=unique_id("g"))
     await bus.start()
-    ok = next(m for m in example_payloads(job_id, "o") if isinstance(m, Trajectory) and m.status == "ok")
+    ok = next(
+        m for m in example_payloads(job_id, "o") if isinstance(m, Trajectory) and m.status == "ok"
+    )
     turns = [
         ok.turns[0].model_copy(
-            update={"completion_ids": [(i * 7919 + t) % 32000 for i in range(20_000)], "logprobs": [-(i % 97) / 13 for i in range(20_000)]}
+            update={
+                "completion_ids": [(i * 7919 + t) % 32000 for i in range(20_000)],
+                "logprobs": [-(i % 97) / 13 for i in range(20_000)],
+            }
         )
         for t in range(10)
     ]
     long = ok.model_copy(update={"turns": turns})
     assert len(encode(long)) > 2_000_000
     await bus.publish(long)
-    received, _ = await next_matching(got, lambda item: item[0].id == long.id, timeout=60)
+    received, _ = await next_matching(got, lambda item: item[0].id == long.id, within_s=60)
     assert received == long
 
 
 async def test_an_unreachable_broker_is_reported_clearly() -> None:
     settings = KafkaSettings(bootstrap_servers=f"127.0.0.1:{free_port()}", request_timeout_ms=2000)
     bus = Bus(settings, service="nowhere")
-    with pytest.raises(BusUnavailable, match="cannot reach Kafka at 127.0.0.1:.*KAFKA_BOOTSTRAP_SERVERS"):
+    with pytest.raises(
+        BusUnavailable, match=r"cannot reach Kafka at 127.0.0.1:.*KAFKA_BOOTSTRAP_SERVERS"
+    ):
         await bus.start()
     with pytest.raises(BusUnavailable, match="cannot reach Kafka"):
         await bus.ensure_topics()

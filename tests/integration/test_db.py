@@ -49,7 +49,10 @@ def test_a_failed_transaction_leaves_nothing(database_url: str) -> None:
 def test_naive_datetimes_are_refused(database_url: str) -> None:
     engine = make_engine(database_url)
     create_tables(engine, Sample)
-    with pytest.raises(exc.StatementError, match="naive datetime"), session_scope(engine) as session:
+    with (
+        pytest.raises(exc.StatementError, match="naive datetime"),
+        session_scope(engine) as session,
+    ):
         session.add(Sample(name="naive", at=datetime(2026, 1, 1)))
         session.flush()
     engine.dispose()

@@ -21,7 +21,7 @@ def test_tansu_comes_from_the_pinned_wheel() -> None:
 
 def test_a_missing_binary_is_a_clear_error(monkeypatch, tmp_path) -> None:
     monkeypatch.setenv("RLNODE_TANSU_BIN", str(tmp_path / "no-such-tansu"))
-    with pytest.raises(BrokerBinaryMissing, match="RLNODE_TANSU_BIN=.*not an executable"):
+    with pytest.raises(BrokerBinaryMissing, match=r"RLNODE_TANSU_BIN=.*not an executable"):
         LocalBroker().start()
 
 

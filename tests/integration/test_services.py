@@ -31,7 +31,9 @@ def test_service_starts_answers_health_and_stops_on_sigterm(spec, tmp_path) -> N
 @pytest.mark.parametrize("spec", SERVICES[:2], ids=[s.name for s in SERVICES[:2]])
 def test_bad_settings_stop_start_up_with_a_clear_message(spec) -> None:
     env = {**os.environ, f"{spec.env_prefix}PORT": "not-a-port"}
-    result = subprocess.run([sys.executable, "-m", spec.module], env=env, capture_output=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-m", spec.module], env=env, capture_output=True, timeout=60
+    )
     assert result.returncode == 2
     message = result.stderr.decode()
     assert f"{spec.name}: bad settings" in message and "port" in message and "not-a-port" in message
@@ -43,6 +45,8 @@ def test_a_taken_port_is_a_failure_not_a_hang() -> None:
         taken.listen()
         port = taken.getsockname()[1]
         env = {**os.environ, "LEARNER_PORT": str(port)}
-        result = subprocess.run([sys.executable, "-m", "learner"], env=env, capture_output=True, timeout=60)
+        result = subprocess.run(
+            [sys.executable, "-m", "learner"], env=env, capture_output=True, timeout=60
+        )
     assert result.returncode != 0
     assert b"address already in use" in result.stderr.lower()

@@ -60,7 +60,7 @@ def test_not_json_is_a_decode_error() -> None:
 
 
 def test_unknown_schema_names_the_known_ones() -> None:
-    with pytest.raises(DecodeError, match="unknown schema 'rlnode.Nope/1'.*rlnode.JobEvent/1"):
+    with pytest.raises(DecodeError, match=r"unknown schema 'rlnode\.Nope/1'.*rlnode\.JobEvent/1"):
         decode_any(b'{"schema": "rlnode.Nope/1"}')
 
 
@@ -100,7 +100,7 @@ def test_kl_without_reference_says_how_to_fix_it() -> None:
     document = example_config().model_dump()
     document["training"]["kl_coef"] = 0.1
     document["topology"]["reference"] = "none"
-    with pytest.raises(ValidationError, match="set topology.reference to 'auto'"):
+    with pytest.raises(ValidationError, match=r"set topology\.reference to 'auto'"):
         JobConfig.model_validate(document)
 
 
@@ -113,9 +113,22 @@ def test_group_size_one_is_refused_for_grpo() -> None:
 
 def test_turn_logprobs_must_align_with_tokens() -> None:
     with pytest.raises(ValidationError, match="2 logprobs for 3 completion tokens"):
-        TokenTurn(prompt_ids=[1], completion_ids=[1, 2, 3], logprobs=[0.0, 0.0], policy_version=0, finish_reason="stop")
+        TokenTurn(
+            prompt_ids=[1],
+            completion_ids=[1, 2, 3],
+            logprobs=[0.0, 0.0],
+            policy_version=0,
+            finish_reason="stop",
+        )
     with pytest.raises(ValidationError, match="1 ref_logprobs for 2"):
-        TokenTurn(prompt_ids=[1], completion_ids=[1, 2], logprobs=[0.0, 0.0], ref_logprobs=[0.0], policy_version=0, finish_reason="length")
+        TokenTurn(
+            prompt_ids=[1],
+            completion_ids=[1, 2],
+            logprobs=[0.0, 0.0],
+            ref_logprobs=[0.0],
+            policy_version=0,
+            finish_reason="length",
+        )
 
 
 def _trajectory(**changes) -> Trajectory:
@@ -157,9 +170,14 @@ def test_event_data_is_checked_against_its_type() -> None:
     with pytest.raises(ValidationError, match="reason"):
         JobEvent(job_id="j", org_id="o", type=JobEventType.FAILED, source="learner", data={})
     with pytest.raises(ValidationError, match="loss"):
-        JobEvent(job_id="j", org_id="o", type=JobEventType.TRAIN_STEP, source="learner", data={"step": 1})
+        JobEvent(
+            job_id="j", org_id="o", type=JobEventType.TRAIN_STEP, source="learner", data={"step": 1}
+        )
     event = JobEvent(
-        job_id="j", org_id="o", type=JobEventType.FAILED, source="learner",
+        job_id="j",
+        org_id="o",
+        type=JobEventType.FAILED,
+        source="learner",
         data={"reason": "out of memory", "device": "cuda:0"},
     )
     assert event.typed_data().reason == "out of memory"
@@ -168,5 +186,10 @@ def test_event_data_is_checked_against_its_type() -> None:
 
 def test_terminal_events() -> None:
     terminal = {t for t in JobEventType if t.is_terminal}
-    assert terminal == {JobEventType.REJECTED, JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.CANCELLED}
+    assert terminal == {
+        JobEventType.REJECTED,
+        JobEventType.COMPLETED,
+        JobEventType.FAILED,
+        JobEventType.CANCELLED,
+    }
     assert set(EVENT_DATA) <= set(JobEventType)

@@ -27,7 +27,10 @@ def test_check_mode_detects_drift(tmp_path: Path) -> None:
     assert proto.main(["--check", str(tmp_path)]) == 0
     (tmp_path / "JobEvent.schema.json").write_text("{}\n")
     (tmp_path / "Old.schema.json").write_text("{}\n")
-    assert proto.differences(tmp_path) == ["stale: Old.schema.json", "changed: JobEvent.schema.json"]
+    assert proto.differences(tmp_path) == [
+        "stale: Old.schema.json",
+        "changed: JobEvent.schema.json",
+    ]
     assert proto.main(["--check", str(tmp_path)]) == 1
 
 
@@ -56,7 +59,10 @@ def test_asyncapi_describes_every_topic() -> None:
     for channel in document["channels"].values():
         (ref,) = channel["messages"].values()
         name = ref["$ref"].rsplit("/", 1)[1]
-        assert document["components"]["messages"][name]["payload"]["$ref"] == f"#/components/schemas/{name}"
+        assert (
+            document["components"]["messages"][name]["payload"]["$ref"]
+            == f"#/components/schemas/{name}"
+        )
         assert name in schemas
     for event_type in EVENT_DATA:
         assert (PROTO_DIR / "events" / f"{event_type.value}.schema.json").is_file()

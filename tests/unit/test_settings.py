@@ -32,7 +32,10 @@ def test_kafka_settings_refuse_nonsense(monkeypatch) -> None:
 def test_database_defaults_to_sqlite_under_the_data_dir(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("RLNODE_DATA_DIR", str(tmp_path))
     monkeypatch.delenv("DATABASE_URL", raising=False)
-    assert DatabaseSettings().url_for("credential-vault") == f"sqlite:///{tmp_path}/db/credential-vault.sqlite3"
+    assert (
+        DatabaseSettings().url_for("credential-vault")
+        == f"sqlite:///{tmp_path}/db/credential-vault.sqlite3"
+    )
     assert NodeSettings().checkpoint_dir == tmp_path / "checkpoints"
     monkeypatch.setenv("DATABASE_URL", "postgresql://u:p@db:5432/rlnode")
     assert DatabaseSettings().url_for("credential-vault") == "postgresql://u:p@db:5432/rlnode"

@@ -25,8 +25,7 @@ from rlnode.messages.weights import ParityProbe, WeightVersion
 
 # Every top-level payload type, by its `schema` tag.
 PAYLOAD_TYPES: dict[str, type[Stamped]] = {
-    m.SCHEMA: m
-    for m in (JobRequest, JobEvent, RolloutWork, Trajectory, WeightVersion, DeadLetter)
+    m.SCHEMA: m for m in (JobRequest, JobEvent, RolloutWork, Trajectory, WeightVersion, DeadLetter)
 }
 
 __all__ = [

@@ -5,7 +5,14 @@ from __future__ import annotations
 from typing import ClassVar, Literal
 from uuid import UUID
 
-from pydantic import Field, FiniteFloat, NonNegativeFloat, NonNegativeInt, PositiveInt, model_validator
+from pydantic import (
+    Field,
+    FiniteFloat,
+    NonNegativeFloat,
+    NonNegativeInt,
+    PositiveInt,
+    model_validator,
+)
 
 from rlnode.messages.base import Envelope, StrictModel, schema_tag
 from rlnode.messages.config import ModelSpec, SamplingSpec, TaskAppSpec

@@ -1,0 +1,47 @@
+# rlnode developer entry points. Every target sets up .venv first if needed.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+# Where no NVIDIA GPU answers, take the CPU wheel of torch (an unpinned torch pulls the
+# multi-GB CUDA build); on a GPU node take the default (CUDA) build.
+HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+TORCH   ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
+
+.PHONY: setup test test-unit lint format proto proto-check doctor clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $@
+
+test: setup
+	$(BIN)/python -m pytest
+
+test-unit: setup
+	$(BIN)/python -m pytest tests/unit
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+format: setup
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+proto: setup
+	$(BIN)/python -m rlnode.proto proto
+
+proto-check: setup
+	$(BIN)/python -m rlnode.proto --check proto
+
+doctor: setup
+	$(BIN)/rlnode doctor
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info libs/*.egg-info

@@ -1,0 +1,130 @@
+"""The `rlnode` command line.
+
+rlnode doctor          check the node's plumbing on the embedded defaults
+rlnode broker          run the embedded broker in the foreground
+rlnode topics create   create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from rlnode import __version__, topics
+from rlnode.bus import BusError, ensure_topics
+from rlnode.localbroker import BrokerBinaryMissing, BrokerStartError, LocalBroker
+from rlnode.settings import KafkaSettings, NodeSettings
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rlnode", description="Online RL for language models on one node."
+    )
+    parser.add_argument("--version", action="version", version=f"rlnode {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    doctor = commands.add_parser("doctor", help="check broker, topics, bus, database and services")
+    doctor.set_defaults(run=_doctor)
+
+    broker = commands.add_parser("broker", help="run the embedded Kafka-compatible broker (Tansu)")
+    broker.add_argument("--port", type=int, default=9092, help="loopback port (default 9092)")
+    broker.set_defaults(run=_broker)
+
+    topics_cmd = commands.add_parser("topics", help="manage rlnode's topics")
+    topics_sub = topics_cmd.add_subparsers(dest="topics_command", required=True, metavar="ACTION")
+    create = topics_sub.add_parser("create", help="create every rlnode topic that does not exist")
+    create.add_argument(
+        "--partitions", type=int, default=None, help="default: KAFKA_PARTITIONS or 3"
+    )
+    create.set_defaults(run=_topics_create)
+
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (BrokerBinaryMissing, BrokerStartError, BusError) as e:
+        print(f"rlnode: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+@contextlib.contextmanager
+def _broker_for_node(data_dir: Path) -> Iterator[tuple[str, str]]:
+    """KAFKA_BOOTSTRAP_SERVERS if set, else an embedded broker for the duration."""
+    explicit = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+    if explicit:
+        yield explicit, "KAFKA_BOOTSTRAP_SERVERS"
+        return
+    with LocalBroker(log_path=data_dir / "logs" / "broker.log") as broker:
+        yield broker.bootstrap_servers, f"embedded Tansu (pid {broker.pid})"
+
+
+def _broker(args: argparse.Namespace) -> int:
+    node = NodeSettings()
+    broker = LocalBroker(port=args.port, log_path=node.data_dir / "logs" / "broker.log").start()
+    try:
+        created = asyncio.run(
+            ensure_topics(KafkaSettings(bootstrap_servers=broker.bootstrap_servers))
+        )
+        print(f"broker ready on {broker.bootstrap_servers} (memory storage; log {broker.log_path})")
+        print(f"created topics: {', '.join(created) or 'none (they existed)'}")
+        print(f"use it with:  export KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
+        print("Ctrl-C stops it (everything it held is gone).")
+        stop = {"flag": False}
+        signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+        while broker.running and not stop["flag"]:
+            time.sleep(0.5)
+        if not broker.running:
+            print("rlnode: the broker exited unexpectedly; see its log", file=sys.stderr)
+            return 1
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        broker.stop()
+
+
+def _topics_create(args: argparse.Namespace) -> int:
+    if "KAFKA_BOOTSTRAP_SERVERS" not in os.environ:
+        print(
+            "rlnode: KAFKA_BOOTSTRAP_SERVERS is not set; point it at your broker "
+            "(or run `rlnode broker`, which creates the topics itself)",
+            file=sys.stderr,
+        )
+        return 2
+    settings = KafkaSettings()
+    created = asyncio.run(ensure_topics(settings, partitions=args.partitions))
+    for name in topics.ALL_TOPICS:
+        print(f"{name:28} {'created' if name in created else 'exists'}")
+    return 0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from rlnode import doctor
+
+    node = NodeSettings()
+    print(f"rlnode {__version__} doctor — data directory {node.data_dir}")
+    with _broker_for_node(node.data_dir) as (bootstrap, origin):
+        print(f"broker: {bootstrap} ({origin})")
+        results = doctor.run_checks(bootstrap, node)
+    width = max(len(r.name) for r in results)
+    for r in results:
+        mark = "ok  " if r.ok else "FAIL"
+        print(f"  {mark} {r.name:{width}}  {r.seconds:6.2f}s  {r.detail}")
+    failed = [r for r in results if not r.ok]
+    if failed:
+        print(f"{len(failed)} of {len(results)} checks failed", file=sys.stderr)
+        return 1
+    print(f"all {len(results)} checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,113 @@
+"""The `rlnode` command as a user runs it: a real process, real output, real exit codes."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+
+from rlnode import topics
+from rlnode.localbroker import free_port
+
+RLNODE = [sys.executable, "-m", "rlnode.cli"]
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
+    return {**env, **extra}
+
+
+def test_doctor_passes_on_the_embedded_defaults(tmp_path) -> None:
+    result = subprocess.run(
+        [*RLNODE, "doctor"],
+        env=_env(RLNODE_DATA_DIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "embedded Tansu" in result.stdout
+    assert "all 9 checks passed" in result.stdout
+    for name in (
+        "credential-vault",
+        "taskapp-gateway",
+        "rollout-generator",
+        "learner",
+        "checkpoint-server",
+    ):
+        assert re.search(rf"ok\s+service {name}", result.stdout)
+        assert (tmp_path / "logs" / f"{name}.log").is_file()
+
+
+def test_doctor_uses_the_broker_it_is_given(kafka_broker, tmp_path) -> None:
+    result = subprocess.run(
+        [*RLNODE, "doctor"],
+        env=_env(
+            RLNODE_DATA_DIR=str(tmp_path), KAFKA_BOOTSTRAP_SERVERS=kafka_broker.bootstrap_servers
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"broker: {kafka_broker.bootstrap_servers} (KAFKA_BOOTSTRAP_SERVERS)" in result.stdout
+
+
+def test_doctor_fails_loudly_when_the_broker_is_down(tmp_path) -> None:
+    result = subprocess.run(
+        [*RLNODE, "doctor"],
+        env=_env(
+            RLNODE_DATA_DIR=str(tmp_path),
+            KAFKA_BOOTSTRAP_SERVERS=f"127.0.0.1:{free_port()}",
+            KAFKA_REQUEST_TIMEOUT_MS="2000",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 1
+    assert "FAIL topics" in result.stdout and "cannot reach Kafka" in result.stdout
+
+
+def test_topics_create_needs_a_broker_address() -> None:
+    result = subprocess.run(
+        [*RLNODE, "topics", "create"], env=_env(), capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 2
+    assert "KAFKA_BOOTSTRAP_SERVERS is not set" in result.stderr
+
+
+def test_topics_create_on_a_running_broker(kafka_broker) -> None:
+    result = subprocess.run(
+        [*RLNODE, "topics", "create"],
+        env=_env(KAFKA_BOOTSTRAP_SERVERS=kafka_broker.bootstrap_servers),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    for name in topics.ALL_TOPICS:
+        assert re.search(rf"^{re.escape(name)}\s+(created|exists)$", result.stdout, re.M)
+
+
+def test_broker_command_serves_until_sigterm(tmp_path) -> None:
+    port = free_port()
+    proc = subprocess.Popen(
+        [*RLNODE, "broker", "--port", str(port)],
+        env=_env(RLNODE_DATA_DIR=str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        lines = [proc.stdout.readline() for _ in range(3)]
+        assert lines[0].startswith(f"broker ready on 127.0.0.1:{port}"), lines
+        assert f"export KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:{port}" in lines[2]
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
