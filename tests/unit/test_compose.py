@@ -22,14 +22,19 @@ def _settings_class(module: str):
 
     settings = importlib.import_module(f"{module}.settings")
     return next(
-        v for k, v in vars(settings).items() if k.endswith("Settings") and v.__module__ == settings.__name__
+        v
+        for k, v in vars(settings).items()
+        if k.endswith("Settings") and v.__module__ == settings.__name__
     )
 
 
 def _node_wide_names() -> set[str]:
     names = {"KAFKA_BOOTSTRAP_SERVERS", "DATABASE_URL", "RLNODE_DATA_DIR"}
     names |= {f"KAFKA_{f.upper()}" for f in KafkaSettings.model_fields}
-    names |= {f.validation_alias for f in (*DatabaseSettings.model_fields.values(), *NodeSettings.model_fields.values())}
+    names |= {
+        f.validation_alias
+        for f in (*DatabaseSettings.model_fields.values(), *NodeSettings.model_fields.values())
+    }
     return names
 
 
@@ -49,7 +54,9 @@ def test_every_service_runs_its_entry_point_with_known_settings(spec) -> None:
     fields = set(_settings_class(spec.module).model_fields)
     for name in service["environment"]:
         if name.startswith(spec.env_prefix):
-            assert name.removeprefix(spec.env_prefix).lower() in fields, f"{spec.name}: unknown setting {name}"
+            assert name.removeprefix(spec.env_prefix).lower() in fields, (
+                f"{spec.name}: unknown setting {name}"
+            )
         else:
             assert name in _node_wide_names(), f"{spec.name}: {name} is nobody's setting"
     assert service["depends_on"]["kafka"]["condition"] == "service_healthy"
