@@ -361,8 +361,11 @@ def topic_for(message: BaseModel) -> str:
 def _key_of(message: BaseModel) -> bytes | None:
     if isinstance(message, Envelope):
         return message.key
-    job_id = getattr(message, "job_id", None)
-    return job_id.encode() if job_id else None
+    if isinstance(message, DeadLetter):
+        # Keyed like the record it carries, so a job's dead letters keep their order too.
+        key = message.key or message.job_id
+        return key.encode() if key else None
+    return None
 
 
 def _decode_record(value: bytes | None, model: type[M]) -> M:

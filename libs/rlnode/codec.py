@@ -39,7 +39,10 @@ def parse_json(raw: bytes | str) -> Any:
 
 
 def decode(raw: bytes | str, model: type[M]) -> M:
-    document = parse_json(raw)
+    return _validate(parse_json(raw), model)
+
+
+def _validate(document: Any, model: type[M]) -> M:
     try:
         return model.model_validate(document)
     except ValidationError as e:
@@ -58,12 +61,7 @@ def decode_any(raw: bytes | str) -> Stamped:
         raise DecodeError(
             "validation", f"unknown schema {tag!r}; expected one of {known}", document
         )
-    try:
-        return model.model_validate(document)
-    except ValidationError as e:
-        raise DecodeError(
-            "validation", describe_validation_error(e, model.__name__), document
-        ) from None
+    return _validate(document, model)
 
 
 def describe_validation_error(error: ValidationError, what: str, limit: int = 8) -> str:
