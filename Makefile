@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH   ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 
-.PHONY: setup test test-unit lint format proto proto-check doctor clean
+.PHONY: setup test test-unit lint format proto proto-check doctor fuzz-vault clean
 
 setup: $(STAMP)
 
@@ -39,6 +39,10 @@ proto: setup
 
 proto-check: setup
 	$(BIN)/python -m rlnode.proto --check proto
+
+# schemathesis against the vault's OpenAPI spec, on a real vault process: no 5xx allowed.
+fuzz-vault: setup
+	$(BIN)/python tools/fuzz_vault.py --max-examples 50
 
 doctor: setup
 	$(BIN)/rlnode doctor

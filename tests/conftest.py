@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -81,16 +82,24 @@ async def make_bus(kafka_settings: KafkaSettings) -> AsyncIterator[Callable[...,
             await bus.stop()
 
 
-@pytest.fixture(params=["sqlite", "postgresql"])
-def database_url(request, tmp_path) -> Iterator[str]:
-    """A fresh, empty database: SQLite always, PostgreSQL where one answers."""
-    if request.param == "sqlite":
-        yield f"sqlite:///{tmp_path / 'test.sqlite3'}"
+@contextlib.contextmanager
+def fresh_database(kind: str, directory: Path) -> Iterator[str]:
+    """A fresh, empty database of `kind` ("sqlite" or "postgresql"); skips the test when
+    PostgreSQL does not answer."""
+    if kind == "sqlite":
+        yield f"sqlite:///{directory / 'test.sqlite3'}"
         return
     admin = postgres_admin_url()
     if admin is None:
         pytest.skip("PostgreSQL does not answer (DATABASE_URL or 127.0.0.1:5432)")
     with temporary_postgres_database(admin) as url:
+        yield url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request, tmp_path) -> Iterator[str]:
+    """A fresh, empty database: SQLite always, PostgreSQL where one answers."""
+    with fresh_database(request.param, tmp_path) as url:
         yield url
 
 

@@ -19,7 +19,7 @@ from rlnode.bus import Bus, ensure_topics
 from rlnode.db import engine_for, redacted_url
 from rlnode.localbroker import free_port
 from rlnode.messages.examples import example_payloads
-from rlnode.process import SERVICES, ServiceProcess
+from rlnode.process import SERVICES, ServiceProcess, ensure_local_credentials
 from rlnode.settings import DatabaseSettings, KafkaSettings, NodeSettings
 
 
@@ -133,11 +133,11 @@ def _database(node: NodeSettings) -> str:
 
 
 def _service(spec, node: NodeSettings, bootstrap: str) -> str:
+    env = {"KAFKA_BOOTSTRAP_SERVERS": bootstrap, "RLNODE_DATA_DIR": str(node.data_dir)}
+    if spec.name == "credential-vault":
+        env |= ensure_local_credentials(node.data_dir).vault_env()
     service = ServiceProcess(
-        spec,
-        free_port(),
-        node.data_dir / "logs" / f"{spec.name}.log",
-        env={"KAFKA_BOOTSTRAP_SERVERS": bootstrap, "RLNODE_DATA_DIR": str(node.data_dir)},
+        spec, free_port(), node.data_dir / "logs" / f"{spec.name}.log", env=env
     ).start()
     try:
         health = service.wait_healthy()

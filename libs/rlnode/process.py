@@ -3,7 +3,9 @@ check, stop it with SIGTERM. Used by `rlnode doctor` (and the supervisor to come
 
 from __future__ import annotations
 
+import base64
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -30,6 +32,44 @@ SERVICES: tuple[ServiceSpec, ...] = (
     ServiceSpec("checkpoint-server", "checkpoint_server", "CHECKPOINT_SERVER_"),
 )
 SERVICES_BY_NAME = {s.name: s for s in SERVICES}
+
+
+@dataclass(frozen=True)
+class LocalCredentials:
+    """The embedded node's own vault master key and admin token, made on first use and kept
+    (mode 600) under the data directory. Production sets VAULT_MASTER_KEY(_FILE) and
+    VAULT_ADMIN_TOKEN itself."""
+
+    master_key_file: Path
+    admin_token_file: Path
+
+    @property
+    def admin_token(self) -> str:
+        return self.admin_token_file.read_text().strip()
+
+    def vault_env(self) -> dict[str, str]:
+        return {
+            "VAULT_MASTER_KEY_FILE": str(self.master_key_file),
+            "VAULT_ADMIN_TOKEN": self.admin_token,
+        }
+
+
+def ensure_local_credentials(data_dir: Path) -> LocalCredentials:
+    directory = data_dir / "secrets"
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    master, admin = directory / "vault-master.key", directory / "vault-admin.token"
+    _write_once(master, base64.b64encode(secrets.token_bytes(32)).decode())
+    _write_once(admin, secrets.token_urlsafe(32))
+    return LocalCredentials(master, admin)
+
+
+def _write_once(path: Path, value: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
 
 
 class ServiceFailed(RuntimeError):

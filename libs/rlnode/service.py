@@ -23,6 +23,11 @@ S = TypeVar("S", bound=ServiceSettings)
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
+class StartupError(RuntimeError):
+    """A service cannot start (bad key, unreachable dependency): the message says why and
+    what to do; the process exits 2 without a traceback."""
+
+
 def configure_logging(service: str, level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"
@@ -75,7 +80,11 @@ def serve(service: str, settings_type: type[S], app_factory: Callable[[S], FastA
         )
         return 2
     configure_logging(service, settings.log_level)
-    app = app_factory(settings)
+    try:
+        app = app_factory(settings)
+    except StartupError as e:
+        print(f"{service}: cannot start: {e}", file=sys.stderr)
+        return 2
     config = uvicorn.Config(
         app,
         host=settings.host,

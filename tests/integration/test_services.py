@@ -11,12 +11,13 @@ import sys
 import pytest
 
 from rlnode.localbroker import free_port
-from rlnode.process import SERVICES, ServiceProcess
+from rlnode.process import SERVICES, ServiceProcess, ensure_local_credentials
 
 
 @pytest.mark.parametrize("spec", SERVICES, ids=[s.name for s in SERVICES])
 def test_service_starts_answers_health_and_stops_on_sigterm(spec, tmp_path) -> None:
-    service = ServiceProcess(spec, free_port(), tmp_path / f"{spec.name}.log").start()
+    env = ensure_local_credentials(tmp_path).vault_env() if spec.name == "credential-vault" else {}
+    service = ServiceProcess(spec, free_port(), tmp_path / f"{spec.name}.log", env=env).start()
     try:
         health = service.wait_healthy()
         assert health["status"] == "ok"

@@ -18,41 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from rlnode import __version__, topics
-from rlnode.bus import BusError, ensure_topics
-from rlnode.localbroker import BrokerBinaryMissing, BrokerStartError, LocalBroker
+from rlnode.bus import ensure_topics
+from rlnode.localbroker import LocalBroker
 from rlnode.settings import KafkaSettings, NodeSettings
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="rlnode", description="Online RL for language models on one node."
-    )
-    parser.add_argument("--version", action="version", version=f"rlnode {__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
-    doctor = commands.add_parser("doctor", help="check broker, topics, bus, database and services")
-    doctor.set_defaults(run=_doctor)
-
-    broker = commands.add_parser("broker", help="run the embedded Kafka-compatible broker (Tansu)")
-    broker.add_argument("--port", type=int, default=9092, help="loopback port (default 9092)")
-    broker.set_defaults(run=_broker)
-
-    topics_cmd = commands.add_parser("topics", help="manage rlnode's topics")
-    topics_sub = topics_cmd.add_subparsers(dest="topics_command", required=True, metavar="ACTION")
-    create = topics_sub.add_parser("create", help="create every rlnode topic that does not exist")
-    create.add_argument(
-        "--partitions", type=int, default=None, help="default: KAFKA_PARTITIONS or 3"
-    )
-    create.set_defaults(run=_topics_create)
-
-    args = parser.parse_args(argv)
-    try:
-        return args.run(args)
-    except (BrokerBinaryMissing, BrokerStartError, BusError) as e:
-        print(f"rlnode: {e}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        return 130
 
 
 @contextlib.contextmanager
@@ -126,5 +94,18 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def register(commands: argparse._SubParsersAction) -> None:
+    doctor = commands.add_parser("doctor", help="check broker, topics, bus, database and services")
+    doctor.set_defaults(run=_doctor)
+
+    broker = commands.add_parser("broker", help="run the embedded Kafka-compatible broker (Tansu)")
+    broker.add_argument("--port", type=int, default=9092, help="loopback port (default 9092)")
+    broker.set_defaults(run=_broker)
+
+    topics_cmd = commands.add_parser("topics", help="manage rlnode's topics")
+    topics_sub = topics_cmd.add_subparsers(dest="topics_command", required=True, metavar="ACTION")
+    create = topics_sub.add_parser("create", help="create every rlnode topic that does not exist")
+    create.add_argument(
+        "--partitions", type=int, default=None, help="default: KAFKA_PARTITIONS or 3"
+    )
+    create.set_defaults(run=_topics_create)

@@ -1,0 +1,232 @@
+"""Tokens issued by the credential vault, and their local verification.
+
+Every service checks tokens itself with the vault's Ed25519 verify key (fetched once from
+`GET /v1/verify-key`); only revocations need the vault, and they are cached.
+
+Wire format: ``rln1.<payload>.<signature>``, both parts base64url without padding; the
+signature is Ed25519 over ``rln1.<payload>``; the payload is JSON:
+``{"jti", "kind": "org"|"service", "sub", "org", "scopes", "iat", "exp", "kid"}``.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import StrEnum
+
+import orjson
+from nacl.exceptions import BadSignatureError
+from nacl.signing import SigningKey, VerifyKey
+
+TOKEN_PREFIX = "rln1"
+
+
+class Scope(StrEnum):
+    ORG_ADMIN = (
+        "org:admin"  # issue and revoke the org's tokens, rotate its key, read its audit trail
+    )
+    SECRETS_WRITE = "secrets:write"  # upload and delete sealed secrets
+    SECRETS_READ = "secrets:read"  # list secrets (names and times, never values)
+    SECRETS_UNSEAL = "secrets:unseal"  # services only: have a secret re-sealed to them
+    JOBS_WRITE = "jobs:write"  # start and cancel jobs
+    JOBS_READ = "jobs:read"  # watch jobs, list checkpoints
+    INFERENCE = "inference"  # call a checkpoint
+    TASKAPPS_WRITE = "taskapps:write"  # register Task Apps
+
+
+ORG_SCOPES = frozenset(
+    {
+        Scope.ORG_ADMIN,
+        Scope.SECRETS_WRITE,
+        Scope.SECRETS_READ,
+        Scope.JOBS_WRITE,
+        Scope.JOBS_READ,
+        Scope.INFERENCE,
+        Scope.TASKAPPS_WRITE,
+    }
+)
+SERVICE_SCOPES = frozenset(Scope) - {Scope.ORG_ADMIN}
+
+
+class AuthError(Exception):
+    """`status` is 401 (no valid token) or 403 (valid, but not allowed this)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(frozen=True)
+class TokenClaims:
+    token_id: str
+    kind: str  # "org" | "service"
+    subject: str  # token name (org tokens) or service name
+    org_id: str | None  # None: a node-wide service token
+    scopes: frozenset[str]
+    issued_at: int
+    expires_at: int
+    key_id: str
+
+    def allows_org(self, org_id: str) -> bool:
+        node_wide_service = self.kind == "service" and self.org_id is None
+        return node_wide_service or self.org_id == org_id
+
+    @property
+    def actor(self) -> str:
+        """Who acted, for audit records."""
+        return f"{self.kind}:{self.subject}"
+
+
+def _b64(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def _unb64(text: str) -> bytes:
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def sign_token(signing_key: SigningKey, claims: TokenClaims) -> str:
+    payload = orjson.dumps(
+        {
+            "jti": claims.token_id,
+            "kind": claims.kind,
+            "sub": claims.subject,
+            "org": claims.org_id,
+            "scopes": sorted(claims.scopes),
+            "iat": claims.issued_at,
+            "exp": claims.expires_at,
+            "kid": claims.key_id,
+        }
+    )
+    signed_part = f"{TOKEN_PREFIX}.{_b64(payload)}"
+    signature = signing_key.sign(signed_part.encode()).signature
+    return f"{signed_part}.{_b64(signature)}"
+
+
+def read_unverified(token: str) -> dict:
+    """The payload without checking the signature: for clients that want to know which org
+    their own token is for. Never use it to make an access decision."""
+    try:
+        prefix, payload, _ = token.split(".")
+        if prefix != TOKEN_PREFIX:
+            raise ValueError
+        return orjson.loads(_unb64(payload))
+    except (ValueError, orjson.JSONDecodeError):
+        raise AuthError(401, "not an rlnode token (expected rln1.<payload>.<signature>)") from None
+
+
+def verify_key_id(verify_key: VerifyKey) -> str:
+    """A short stable id of a verify key."""
+    return hashlib.sha256(bytes(verify_key)).hexdigest()[:16]
+
+
+class TokenVerifier:
+    """Checks a token's signature, expiry and revocation locally."""
+
+    def __init__(
+        self,
+        verify_key: VerifyKey,
+        is_revoked: Callable[[str], bool] = lambda _jti: False,
+        leeway_s: int = 30,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.verify_key = verify_key
+        self.key_id = verify_key_id(verify_key)
+        self.is_revoked = is_revoked
+        self.leeway_s = leeway_s
+        self.clock = clock
+
+    def verify(self, token: str | None) -> TokenClaims:
+        if not token:
+            raise AuthError(401, "no token: send 'Authorization: Bearer <rlnode token>'")
+        parts = token.split(".")
+        if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
+            raise AuthError(401, "not an rlnode token (expected rln1.<payload>.<signature>)")
+        try:
+            self.verify_key.verify(f"{parts[0]}.{parts[1]}".encode(), _unb64(parts[2]))
+            data = orjson.loads(_unb64(parts[1]))
+            claims = TokenClaims(
+                token_id=str(data["jti"]),
+                kind=str(data["kind"]),
+                subject=str(data["sub"]),
+                org_id=data["org"],
+                scopes=frozenset(data["scopes"]),
+                issued_at=int(data["iat"]),
+                expires_at=int(data["exp"]),
+                key_id=str(data["kid"]),
+            )
+        except (BadSignatureError, ValueError, KeyError, TypeError, orjson.JSONDecodeError):
+            raise AuthError(401, "invalid token: its signature does not check out") from None
+        if claims.kind not in ("org", "service"):
+            raise AuthError(401, "invalid token: unknown kind")
+        now = self.clock()
+        if claims.expires_at + self.leeway_s < now:
+            raise AuthError(
+                401, "token expired: ask your org admin for a new one (rlnode token create)"
+            )
+        if claims.issued_at - self.leeway_s > now:
+            raise AuthError(401, "token not valid yet: is this machine's clock right?")
+        if self.is_revoked(claims.token_id):
+            raise AuthError(401, "token revoked")
+        return claims
+
+    def authorize(
+        self, token: str | None, *, scopes: Iterable[str] = (), org_id: str | None = None
+    ) -> TokenClaims:
+        """Verify, then require every scope and (when given) access to `org_id`."""
+        return self.authorize_claims(self.verify(token), scopes=scopes, org_id=org_id)
+
+    @staticmethod
+    def authorize_claims(
+        claims: TokenClaims, *, scopes: Iterable[str] = (), org_id: str | None = None
+    ) -> TokenClaims:
+        # The org first: a stranger learns nothing about which scopes the route needs.
+        if org_id is not None and not claims.allows_org(org_id):
+            raise AuthError(
+                403,
+                f"this token belongs to org {claims.org_id!r} and cannot act on org {org_id!r}",
+            )
+        missing = sorted(set(scopes) - claims.scopes)
+        if missing:
+            raise AuthError(403, f"this token lacks the scope(s) {', '.join(missing)}")
+        return claims
+
+
+def bearer_token(authorization: str | None) -> str | None:
+    """The token from an `Authorization: Bearer …` header value."""
+    if not authorization:
+        return None
+    scheme, _, value = authorization.partition(" ")
+    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+
+
+class VaultTokenVerifier(TokenVerifier):
+    """A verifier for services other than the vault: the verify key and the revocation list
+    come from the vault over HTTP; revocations are refreshed every `refresh_s` seconds."""
+
+    def __init__(self, vault_url: str, refresh_s: float = 30.0, timeout_s: float = 5.0) -> None:
+        import httpx
+
+        self._client = httpx.Client(base_url=vault_url.rstrip("/"), timeout=timeout_s)
+        response = self._client.get("/v1/verify-key")
+        response.raise_for_status()
+        key = VerifyKey(base64.b64decode(response.json()["public_key"]))
+        self._revoked: frozenset[str] = frozenset()
+        self._fetched_at = 0.0
+        self._refresh_s = refresh_s
+        self._lock = threading.Lock()
+        super().__init__(key, is_revoked=self._check_revoked)
+
+    def _check_revoked(self, token_id: str) -> bool:
+        with self._lock:
+            if time.monotonic() - self._fetched_at > self._refresh_s:
+                response = self._client.get("/v1/revocations")
+                response.raise_for_status()
+                self._revoked = frozenset(response.json()["token_ids"])
+                self._fetched_at = time.monotonic()
+            return token_id in self._revoked

@@ -1,0 +1,40 @@
+"""The `rlnode` command line.
+
+rlnode doctor                 check the node's plumbing on the embedded defaults
+rlnode broker                 run the embedded broker in the foreground
+rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
+rlnode vault master-key       print a new master key for the credential-vault
+rlnode org create ORG         create an org (admin token)
+rlnode token create NAME      issue an org token (org admin), or --service NAME (admin)
+rlnode secrets set NAME       seal a value locally and upload the ciphertext
+rlnode secrets list | rm NAME
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from rlnode import __version__
+from rlnode.bus import BusError
+from rlnode.cli import node, vault
+from rlnode.localbroker import BrokerBinaryMissing, BrokerStartError
+from rlnode.sdk.vault import VaultError
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="rlnode", description="Online RL for language models on one node."
+    )
+    parser.add_argument("--version", action="version", version=f"rlnode {__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    node.register(commands)
+    vault.register(commands)
+    args = parser.parse_args(argv)
+    try:
+        return args.run(args)
+    except (BrokerBinaryMissing, BrokerStartError, BusError, VaultError) as e:
+        print(f"rlnode: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130

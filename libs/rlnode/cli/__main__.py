@@ -1,0 +1,5 @@
+import sys
+
+from rlnode.cli import main
+
+sys.exit(main())

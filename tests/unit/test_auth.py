@@ -1,0 +1,120 @@
+"""Tokens: what verifies, what does not, and what each failure says."""
+
+from __future__ import annotations
+
+import pytest
+from nacl.signing import SigningKey
+
+from rlnode.auth import (
+    ORG_SCOPES,
+    AuthError,
+    TokenClaims,
+    TokenVerifier,
+    bearer_token,
+    read_unverified,
+    sign_token,
+)
+
+NOW = 1_800_000_000
+
+
+def _claims(**changes) -> TokenClaims:
+    base = dict(
+        token_id="t_1",
+        kind="org",
+        subject="ci",
+        org_id="acme",
+        scopes=frozenset({"secrets:read"}),
+        issued_at=NOW,
+        expires_at=NOW + 3600,
+        key_id="k",
+    )
+    return TokenClaims(**{**base, **changes})
+
+
+@pytest.fixture
+def key() -> SigningKey:
+    return SigningKey.generate()
+
+
+def _verifier(
+    key: SigningKey, now: float = NOW, revoked: frozenset[str] = frozenset()
+) -> TokenVerifier:
+    return TokenVerifier(key.verify_key, is_revoked=lambda jti: jti in revoked, clock=lambda: now)
+
+
+def test_a_signed_token_verifies_to_its_claims(key: SigningKey) -> None:
+    claims = _claims()
+    token = sign_token(key, claims)
+    assert token.startswith("rln1.") and token.count(".") == 2
+    assert _verifier(key).verify(token) == claims
+    assert read_unverified(token)["org"] == "acme"
+
+
+@pytest.mark.parametrize(
+    ("mutate", "message"),
+    [
+        (lambda t: "", "no token"),
+        (lambda t: "Bearer " + t, "not an rlnode token"),
+        (lambda t: t.replace("rln1.", "rln2.", 1), "not an rlnode token"),
+        (lambda t: t[:-4] + ("AAAA" if not t.endswith("AAAA") else "BBBB"), "signature"),
+        (lambda t: t.split(".")[0] + "." + t.split(".")[1] + "x." + t.split(".")[2], "signature"),
+        (lambda t: t + ".extra", "not an rlnode token"),
+    ],
+)
+def test_malformed_or_altered_tokens_are_401(key: SigningKey, mutate, message: str) -> None:
+    token = sign_token(key, _claims())
+    with pytest.raises(AuthError, match=message) as info:
+        _verifier(key).verify(mutate(token))
+    assert info.value.status == 401
+
+
+def test_another_keys_signature_is_refused(key: SigningKey) -> None:
+    token = sign_token(SigningKey.generate(), _claims())
+    with pytest.raises(AuthError, match="signature"):
+        _verifier(key).verify(token)
+
+
+def test_expiry_not_before_and_revocation(key: SigningKey) -> None:
+    token = sign_token(key, _claims())
+    assert _verifier(key, now=NOW + 3600 + 29).verify(token)  # within leeway
+    with pytest.raises(AuthError, match="expired"):
+        _verifier(key, now=NOW + 3600 + 31).verify(token)
+    with pytest.raises(AuthError, match="not valid yet"):
+        _verifier(key, now=NOW - 120).verify(token)
+    with pytest.raises(AuthError, match="revoked"):
+        _verifier(key, revoked=frozenset({"t_1"})).verify(token)
+
+
+def test_authorize_checks_org_then_scopes(key: SigningKey) -> None:
+    verifier = _verifier(key)
+    token = sign_token(key, _claims())
+    assert verifier.authorize(token, scopes=["secrets:read"], org_id="acme").subject == "ci"
+    with pytest.raises(
+        AuthError, match="belongs to org 'acme' and cannot act on org 'other'"
+    ) as info:
+        verifier.authorize(token, scopes=["org:admin"], org_id="other")
+    assert info.value.status == 403
+    with pytest.raises(AuthError, match="lacks the scope") as info:
+        verifier.authorize(token, scopes=["secrets:write"], org_id="acme")
+    assert info.value.status == 403
+
+
+def test_node_wide_service_tokens_reach_every_org_but_org_tokens_do_not(key: SigningKey) -> None:
+    service = _claims(
+        kind="service", subject="taskapp-gateway", org_id=None, scopes=frozenset({"secrets:unseal"})
+    )
+    assert service.allows_org("acme") and service.allows_org("globex")
+    scoped_service = _claims(kind="service", org_id="acme")
+    assert scoped_service.allows_org("acme") and not scoped_service.allows_org("globex")
+    orgless_org_token = _claims(org_id=None)
+    assert not orgless_org_token.allows_org("acme")
+    assert "org:admin" in ORG_SCOPES
+
+
+def test_bearer_header_parsing() -> None:
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer   abc ") == "abc"
+    assert bearer_token("Basic abc") is None
+    assert bearer_token("Bearer ") is None
+    assert bearer_token(None) is None
