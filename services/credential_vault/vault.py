@@ -427,22 +427,21 @@ class Vault:
 
     def get_secret(self, org_id: str, name: str) -> Secret:
         with Session(self.engine) as s:
-            secret = s.exec(
-                select(Secret).where(Secret.org_id == org_id, Secret.name == name)
-            ).first()
-            if secret is None:
-                raise NotFound(f"org {org_id!r} has no secret {name!r}")
+            secret = self._find_secret(s, org_id, name)
             return secret
 
     def delete_secret(self, org_id: str, name: str, actor: Actor) -> None:
         with self._write_lock, session_scope(self.engine) as s:
-            secret = s.exec(
-                select(Secret).where(Secret.org_id == org_id, Secret.name == name)
-            ).first()
-            if secret is None:
-                raise NotFound(f"org {org_id!r} has no secret {name!r}")
+            secret = self._find_secret(s, org_id, name)
             s.delete(secret)
             self._audit(s, org_id, actor, "secret.delete", secret_name=name)
+
+    @staticmethod
+    def _find_secret(s: Session, org_id: str, name: str) -> Secret:
+        secret = s.exec(select(Secret).where(Secret.org_id == org_id, Secret.name == name)).first()
+        if secret is None:
+            raise NotFound(f"org {org_id!r} has no secret {name!r}")
+        return secret
 
     def unseal_for(
         self, org_id: str, name: str, recipient_b64: str, job_id: str | None, actor: Actor
@@ -453,11 +452,7 @@ class Vault:
         except SealingError as e:
             raise BadInput(f"recipient_public_key: {e}") from None
         with session_scope(self.engine) as s:
-            secret = s.exec(
-                select(Secret).where(Secret.org_id == org_id, Secret.name == name)
-            ).first()
-            if secret is None:
-                raise NotFound(f"org {org_id!r} has no secret {name!r}")
+            secret = self._find_secret(s, org_id, name)
             key = s.get(OrgKey, secret.key_id)
             value = open_sealed(secret.ciphertext, self._private_key(key))
             sealed = seal(value, recipient)
