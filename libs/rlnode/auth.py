@@ -35,7 +35,9 @@ class Scope(StrEnum):
     JOBS_WRITE = "jobs:write"  # start and cancel jobs
     JOBS_READ = "jobs:read"  # watch jobs, list checkpoints
     INFERENCE = "inference"  # call a checkpoint
-    TASKAPPS_WRITE = "taskapps:write"  # register Task Apps
+    TASKAPPS_WRITE = "taskapps:write"  # register and unregister Task Apps
+    TASKAPPS_READ = "taskapps:read"  # list and verify Task Apps
+    ROLLOUTS_RUN = "rollouts:run"  # services only: run rollouts through the gateway
 
 
 ORG_SCOPES = frozenset(
@@ -47,6 +49,7 @@ ORG_SCOPES = frozenset(
         Scope.JOBS_READ,
         Scope.INFERENCE,
         Scope.TASKAPPS_WRITE,
+        Scope.TASKAPPS_READ,
     }
 )
 SERVICE_SCOPES = frozenset(Scope) - {Scope.ORG_ADMIN}
@@ -206,27 +209,59 @@ def bearer_token(authorization: str | None) -> str | None:
 
 
 class VaultTokenVerifier(TokenVerifier):
-    """A verifier for services other than the vault: the verify key and the revocation list
-    come from the vault over HTTP; revocations are refreshed every `refresh_s` seconds."""
+    """A verifier for services other than the vault: the verify key (fetched on first use,
+    so a service may start before the vault) and the revocation list (refreshed every
+    `refresh_s` seconds) come from the vault over HTTP. While the vault cannot be reached
+    for them, verification fails with 503, never open."""
 
     def __init__(self, vault_url: str, refresh_s: float = 30.0, timeout_s: float = 5.0) -> None:
         import httpx
 
-        self._client = httpx.Client(base_url=vault_url.rstrip("/"), timeout=timeout_s)
-        response = self._client.get("/v1/verify-key")
-        response.raise_for_status()
-        key = VerifyKey(base64.b64decode(response.json()["public_key"]))
+        self.vault_url = vault_url.rstrip("/")
+        self._client = httpx.Client(base_url=self.vault_url, timeout=timeout_s)
         self._revoked: frozenset[str] = frozenset()
-        self._fetched_at = 0.0
+        self._fetched_at = float("-inf")
         self._refresh_s = refresh_s
         self._lock = threading.Lock()
-        super().__init__(key, is_revoked=self._check_revoked)
+        self.verify_key: VerifyKey | None = None  # type: ignore[assignment]
+        self.key_id = ""
+        self.is_revoked = self._check_revoked
+        self.leeway_s = 30
+        self.clock = time.time
+
+    def _get(self, path: str) -> dict:
+        import httpx
+
+        try:
+            response = self._client.get(path)
+            response.raise_for_status()
+            return response.json()
+        except (httpx.HTTPError, ValueError) as e:
+            raise AuthError(
+                503, f"cannot check tokens: the vault at {self.vault_url} did not answer ({e})"
+            ) from None
+
+    def verify(self, token: str | None) -> TokenClaims:
+        if self.verify_key is None:
+            with self._lock:
+                if self.verify_key is None:
+                    key = VerifyKey(base64.b64decode(self._get("/v1/verify-key")["public_key"]))
+                    self.key_id = verify_key_id(key)
+                    self.verify_key = key
+        return super().verify(token)
 
     def _check_revoked(self, token_id: str) -> bool:
         with self._lock:
             if time.monotonic() - self._fetched_at > self._refresh_s:
-                response = self._client.get("/v1/revocations")
-                response.raise_for_status()
-                self._revoked = frozenset(response.json()["token_ids"])
+                self._revoked = frozenset(self._get("/v1/revocations")["token_ids"])
                 self._fetched_at = time.monotonic()
             return token_id in self._revoked
+
+    @property
+    def reachable(self) -> bool:
+        """Whether the vault answers now (for health checks)."""
+        try:
+            self._get("/health")
+            return True
+        except AuthError:
+            return False

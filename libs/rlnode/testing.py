@@ -99,3 +99,47 @@ def temporary_postgres_database(admin_url: str) -> Iterator[str]:
     finally:
         with psycopg.connect(conninfo, autocommit=True) as conn:
             conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+class ThreadedServer:
+    """An ASGI app served by uvicorn on a loopback port in a background thread: a real HTTP
+    server for tests (policies, Task Apps) without a separate program file."""
+
+    def __init__(self, app, port: int | None = None) -> None:
+        import threading
+
+        import uvicorn
+
+        from rlnode.localbroker import free_port
+
+        self.port = port or free_port()
+        self.server = uvicorn.Server(
+            uvicorn.Config(
+                app,
+                host="127.0.0.1",
+                port=self.port,
+                log_level="warning",
+                timeout_graceful_shutdown=1,
+            )
+        )
+        self.server.install_signal_handlers = lambda: None  # not the main thread
+        self._thread = threading.Thread(target=self.server.run, daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> ThreadedServer:
+        import time
+
+        self._thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"the test server on port {self.port} did not start")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.should_exit = True
+        self._thread.join(10)

@@ -17,8 +17,9 @@ import sys
 
 from rlnode import __version__
 from rlnode.bus import BusError
-from rlnode.cli import node, vault
+from rlnode.cli import node, taskapp, vault
 from rlnode.localbroker import BrokerBinaryMissing, BrokerStartError
+from rlnode.sdk.gateway import GatewayError
 from rlnode.sdk.vault import VaultError
 
 
@@ -30,10 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     node.register(commands)
     vault.register(commands)
+    taskapp.register(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (BrokerBinaryMissing, BrokerStartError, BusError, VaultError) as e:
+    except (BrokerBinaryMissing, BrokerStartError, BusError, VaultError, GatewayError) as e:
         print(f"rlnode: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

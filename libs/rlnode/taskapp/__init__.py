@@ -1,0 +1,26 @@
+"""Task Apps: the contract (`contract`), the SDK to write one (`server`), and the client it
+uses to reach the policy (`inference`)."""
+
+from rlnode.taskapp.contract import NormalisedRollout, RolloutRequest, RolloutResponse
+from rlnode.taskapp.inference import (
+    ChatResult,
+    InferenceClient,
+    InferenceError,
+    chat_completions_url,
+)
+from rlnode.taskapp.server import Episode, TaskAppDefinition, create_task_app, serve, single_turn
+
+__all__ = [
+    "ChatResult",
+    "Episode",
+    "InferenceClient",
+    "InferenceError",
+    "NormalisedRollout",
+    "RolloutRequest",
+    "RolloutResponse",
+    "TaskAppDefinition",
+    "chat_completions_url",
+    "create_task_app",
+    "serve",
+    "single_turn",
+]

@@ -1,0 +1,76 @@
+"""The small client a Task App uses to ask the policy for actions: OpenAI-style chat
+completions on the inference URL it was given in the rollout request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit, urlunsplit
+
+import httpx
+
+
+class InferenceError(RuntimeError):
+    """The inference endpoint failed or answered something that is not a chat completion."""
+
+
+def chat_completions_url(inference_url: str) -> str:
+    """`<inference_url>/v1/chat/completions`, keeping any query string (some trainers route
+    by it) and not doubling a path that already ends in it."""
+    parts = urlsplit(inference_url)
+    path = parts.path.rstrip("/")
+    if not path.endswith("/chat/completions"):
+        path = path + ("/chat/completions" if path.endswith("/v1") else "/v1/chat/completions")
+    return urlunsplit((parts.scheme, parts.netloc, path, parts.query, parts.fragment))
+
+
+@dataclass(frozen=True)
+class ChatResult:
+    text: str
+    finish_reason: str | None
+    raw: dict[str, Any]
+
+
+class InferenceClient:
+    def __init__(
+        self,
+        inference_url: str,
+        model: str,
+        defaults: dict[str, Any] | None = None,
+        timeout_s: float = 300.0,
+        client: httpx.AsyncClient | None = None,
+    ) -> None:
+        self.url = chat_completions_url(inference_url)
+        self.model = model
+        self.defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
+        self._client = client or httpx.AsyncClient(timeout=timeout_s)
+        self._owns_client = client is None
+        self.calls = 0
+
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatResult:
+        body = {"model": self.model, "messages": messages, **self.defaults}
+        body.update({k: v for k, v in sampling.items() if v is not None})
+        try:
+            response = await self._client.post(self.url, json=body)
+        except httpx.HTTPError as e:
+            raise InferenceError(
+                f"inference call to {self.url} failed: {type(e).__name__}: {e}"
+            ) from e
+        self.calls += 1
+        if response.status_code != 200:
+            raise InferenceError(
+                f"inference answered {response.status_code}: {response.text[:500]}"
+            )
+        try:
+            raw = response.json()
+            choice = raw["choices"][0]
+            text = choice["message"].get("content") or ""
+        except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+            raise InferenceError(
+                f"inference answered something that is not a chat completion: {response.text[:500]}"
+            ) from None
+        return ChatResult(text=text, finish_reason=choice.get("finish_reason"), raw=raw)
+
+    async def aclose(self) -> None:
+        if self._owns_client:
+            await self._client.aclose()
