@@ -5,6 +5,7 @@ code (a model, a buggy Task App), never for rlnode's own components."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import re
 import time
 from collections import Counter
@@ -32,7 +33,7 @@ def scripted_policy() -> tuple[FastAPI, Counter]:
             text = last_user.removeprefix("Copy: ")
         elif match := re.search(r"between 1 and (\d+)", system):
             low, high = 1, int(match.group(1))
-            for said, heard in zip(messages, messages[1:], strict=False):
+            for said, heard in itertools.pairwise(messages):
                 if said["role"] == "assistant" and heard["role"] == "user":
                     guess = int(said["content"])
                     if heard["content"] == "higher":
