@@ -13,6 +13,16 @@ from pydantic.json_schema import models_json_schema
 
 from rlnode import __version__, topics
 from rlnode.messages import EVENT_DATA, PAYLOAD_TYPES, JobEvent
+from rlnode.taskapp import contract
+
+# The Task App contract (docs/taskapp-contract.md): the bodies a Task App serves and takes.
+TASKAPP_MODELS = (
+    contract.RolloutRequest,
+    contract.RolloutResponse,
+    contract.TaskInfo,
+    contract.InfoResponse,
+    contract.HealthResponse,
+)
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
@@ -128,6 +138,15 @@ def render() -> dict[str, str]:
             {
                 "$schema": JSON_SCHEMA_DIALECT,
                 "$id": schema_urn(JobEvent.SCHEMA, f"#data/{event_type.value}"),
+                **schema,
+            }
+        )
+    for model in TASKAPP_MODELS:
+        schema = model.model_json_schema(by_alias=True)
+        files[f"taskapp/{model.__name__}.schema.json"] = _dump(
+            {
+                "$schema": JSON_SCHEMA_DIALECT,
+                "$id": f"urn:rlnode:taskapp:{model.__name__}",
                 **schema,
             }
         )

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import secrets
 import signal
+import subprocess
 import sys
 import time
 import uuid
@@ -349,6 +350,48 @@ def test_registration_errors_are_clear(node: Node) -> None:
         gateway.register("no-secret", url=f"{node.bad_url}/ok", secret="MISSING_SECRET")
         report = gateway.verify("no-secret")
     assert not report["ok"] and "MISSING_SECRET" in report["healthy"]["detail"]
+
+
+def _cli(node: Node, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RLNODE_")}
+    env |= {"RLNODE_GATEWAY_URL": node.gateway.url, "RLNODE_TOKEN": node.token_a}
+    return subprocess.run(
+        [sys.executable, "-m", "rlnode.cli", "taskapp", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_taskapp_cli(node: Node) -> None:
+    registered = _cli(
+        node,
+        "register",
+        "cli-copy",
+        "--command",
+        "python examples/taskapps/copy_task.py",
+        "--cwd",
+        str(ROOT),
+    )
+    assert registered.returncode == 0, registered.stderr
+    assert "registered managed Task App cli-copy" in registered.stdout
+    verified = _cli(node, "verify", "cli-copy")
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    assert "verified: a job can use it" in verified.stdout
+    listed = _cli(node, "list")
+    line = next(line for line in listed.stdout.splitlines() if line.startswith("cli-copy"))
+    assert "managed" in line and "healthy" in line
+    lax = _cli(node, "register", "cli-lax", "--url", f"{node.bad_url}/nokeycheck")
+    assert lax.returncode == 0
+    failed = _cli(node, "verify", "cli-lax")
+    assert failed.returncode == 1 and "FAIL refuses_wrong_key" in failed.stdout
+    bad_env = _cli(node, "register", "x", "--command", "true", "--env", "NOEQUALS")
+    assert bad_env.returncode == 1 and "NAME=VALUE" in bad_env.stderr
+    removed = _cli(node, "rm", "cli-copy")
+    assert removed.returncode == 0 and "removed cli-copy" in removed.stdout
+    missing = _cli(node, "rm", "cli-copy")
+    assert missing.returncode == 1 and "no Task App named 'cli-copy' (HTTP 404)" in missing.stderr
 
 
 def test_the_key_is_never_in_the_gateways_database_or_logs(node: Node) -> None:
