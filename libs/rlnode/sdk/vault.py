@@ -4,13 +4,11 @@ caller's own private key."""
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
-import httpx
 from nacl.public import PrivateKey
 
-from rlnode.auth import read_unverified
+from rlnode.sdk.http import ApiClient, ApiError
 from rlnode.sealing import (
     SEALED_BOX_ALG,
     b64decode_strict,
@@ -20,65 +18,15 @@ from rlnode.sealing import (
     seal,
 )
 
-DEFAULT_VAULT_URL = "http://127.0.0.1:8710"
+
+class VaultError(ApiError):
+    service = "vault"
 
 
-class VaultError(RuntimeError):
-    """The vault said no (`status` and its message), or could not be reached (status 0)."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(f"vault: {message}" + (f" (HTTP {status})" if status else ""))
-        self.status = status
-        self.message = message
-
-
-class VaultClient:
-    def __init__(
-        self,
-        url: str | None = None,
-        token: str | None = None,
-        *,
-        timeout_s: float = 10.0,
-        transport: httpx.BaseTransport | None = None,
-    ) -> None:
-        self.url = (url or os.environ.get("RLNODE_VAULT_URL") or DEFAULT_VAULT_URL).rstrip("/")
-        self.token = token
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
-
-    def close(self) -> None:
-        self._http.close()
-
-    def __enter__(self) -> VaultClient:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    @property
-    def org_id(self) -> str:
-        """The org the client's token belongs to (read from the token itself)."""
-        if not self.token:
-            raise VaultError(0, "no token: set RLNODE_TOKEN or pass one")
-        org = read_unverified(self.token).get("org")
-        if not org:
-            raise VaultError(0, "this token names no org; pass the org explicitly")
-        return org
-
-    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
-        try:
-            response = self._http.request(method, path, headers=headers, **kwargs)
-        except httpx.TransportError as e:
-            raise VaultError(
-                0, f"cannot reach the vault at {self.url}: {e}; is it running (RLNODE_VAULT_URL)?"
-            ) from None
-        if response.status_code >= 400:
-            try:
-                message = response.json().get("detail", response.text)
-            except ValueError:
-                message = response.text or response.reason_phrase
-            raise VaultError(response.status_code, str(message))
-        return None if response.status_code == 204 else response.json()
+class VaultClient(ApiClient):
+    error = VaultError
+    url_env = "RLNODE_VAULT_URL"
+    default_url = "http://127.0.0.1:8710"
 
     # -- orgs, keys, tokens ----------------------------------------------------------
 
@@ -87,7 +35,7 @@ class VaultClient:
         return self._request("POST", "/v1/orgs", json={"org_id": org_id, "name": name})
 
     def public_key(self, org_id: str | None = None) -> dict:
-        org_id = org_id or self.org_id
+        org_id = self._org(org_id)
         key = self._request("GET", f"/v1/orgs/{org_id}/public-key")
         if key.get("alg") != SEALED_BOX_ALG:
             raise VaultError(
@@ -96,7 +44,7 @@ class VaultClient:
         return key
 
     def rotate_key(self, org_id: str | None = None) -> dict:
-        return self._request("POST", f"/v1/orgs/{org_id or self.org_id}/keys/rotate")
+        return self._request("POST", f"/v1/orgs/{self._org(org_id)}/keys/rotate")
 
     def create_token(
         self,
@@ -106,13 +54,13 @@ class VaultClient:
         org_id: str | None = None,
     ) -> dict:
         body = {"name": name, "scopes": scopes, "ttl_s": ttl_s}
-        return self._request("POST", f"/v1/orgs/{org_id or self.org_id}/tokens", json=body)
+        return self._request("POST", f"/v1/orgs/{self._org(org_id)}/tokens", json=body)
 
     def list_tokens(self, org_id: str | None = None) -> list[dict]:
-        return self._request("GET", f"/v1/orgs/{org_id or self.org_id}/tokens")
+        return self._request("GET", f"/v1/orgs/{self._org(org_id)}/tokens")
 
     def revoke_token(self, token_id: str, org_id: str | None = None) -> None:
-        self._request("DELETE", f"/v1/orgs/{org_id or self.org_id}/tokens/{token_id}")
+        self._request("DELETE", f"/v1/orgs/{self._org(org_id)}/tokens/{token_id}")
 
     def create_service_token(
         self, service: str, scopes: list[str], org_id: str | None = None, ttl_s: int | None = None
@@ -128,7 +76,7 @@ class VaultClient:
 
     def set_secret(self, name: str, value: bytes | str, org_id: str | None = None) -> dict:
         """Seal `value` locally to the org's current public key and upload the ciphertext."""
-        org_id = org_id or self.org_id
+        org_id = self._org(org_id)
         raw = value.encode() if isinstance(value, str) else value
         if not raw:
             raise VaultError(0, "refusing to store an empty secret")
@@ -138,13 +86,13 @@ class VaultClient:
         return self._request("POST", f"/v1/orgs/{org_id}/secrets", json=body)
 
     def list_secrets(self, org_id: str | None = None) -> list[dict]:
-        return self._request("GET", f"/v1/orgs/{org_id or self.org_id}/secrets")
+        return self._request("GET", f"/v1/orgs/{self._org(org_id)}/secrets")
 
     def get_secret_info(self, name: str, org_id: str | None = None) -> dict:
-        return self._request("GET", f"/v1/orgs/{org_id or self.org_id}/secrets/{name}")
+        return self._request("GET", f"/v1/orgs/{self._org(org_id)}/secrets/{name}")
 
     def delete_secret(self, name: str, org_id: str | None = None) -> None:
-        self._request("DELETE", f"/v1/orgs/{org_id or self.org_id}/secrets/{name}")
+        self._request("DELETE", f"/v1/orgs/{self._org(org_id)}/secrets/{name}")
 
     def unseal_for(
         self, org_id: str, name: str, private_key: PrivateKey, job_id: str | None = None
@@ -161,4 +109,4 @@ class VaultClient:
         params: dict[str, Any] = {"limit": limit}
         if action:
             params["action"] = action
-        return self._request("GET", f"/v1/orgs/{org_id or self.org_id}/audit", params=params)
+        return self._request("GET", f"/v1/orgs/{self._org(org_id)}/audit", params=params)

@@ -1,0 +1,86 @@
+"""What every rlnode API client shares: base URL from the environment, bearer token,
+errors that carry the service's own message."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import httpx
+
+from rlnode.auth import AuthError, read_unverified
+
+
+class ApiError(RuntimeError):
+    """The service said no (`status` and its message), or could not be reached (status 0)."""
+
+    service: ClassVar[str] = "rlnode"
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"{self.service}: {message}" + (f" (HTTP {status})" if status else ""))
+        self.status = status
+        self.message = message
+
+
+class ApiClient:
+    error: ClassVar[type[ApiError]] = ApiError
+    url_env: ClassVar[str]
+    default_url: ClassVar[str]
+
+    def __init__(
+        self,
+        url: str | None = None,
+        token: str | None = None,
+        *,
+        timeout_s: float = 10.0,
+        transport: httpx.BaseTransport | None = None,
+    ) -> None:
+        self.url = (url or os.environ.get(self.url_env) or self.default_url).rstrip("/")
+        self.token = token
+        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
+
+    def close(self) -> None:
+        self._http.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    @property
+    def org_id(self) -> str:
+        """The org the client's token belongs to (read from the token itself)."""
+        if not self.token:
+            raise self.error(0, "no token: set RLNODE_TOKEN or pass one")
+        try:
+            org = read_unverified(self.token).get("org")
+        except AuthError as e:
+            raise self.error(0, e.message) from None
+        if not org:
+            raise self.error(0, "this token names no org; pass the org explicitly")
+        return org
+
+    def _org(self, org_id: str | None) -> str:
+        return org_id or self.org_id
+
+    def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        try:
+            response = self._http.request(method, path, headers=headers, **kwargs)
+        except httpx.TransportError as e:
+            raise self.error(
+                0,
+                f"cannot reach the {self.error.service} at {self.url}: {e}; is it running ({self.url_env})?",
+            ) from None
+        if response.status_code >= 400:
+            try:
+                message = response.json().get("detail", response.text)
+            except (ValueError, AttributeError):
+                message = response.text or response.reason_phrase
+            raise self.error(response.status_code, str(message))
+        if response.status_code == 204:
+            return None
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text
