@@ -238,12 +238,8 @@ class Bus:
                 timestamp_ms=record.timestamp,
                 _message=message,
             )
-            try:
-                payload = _decode_record(record.value, model)
-            except DecodeError as e:
-                await self._dead_letter(
-                    delivery, record.value, e.kind, e.reason, group_id, event, e.document
-                )
+            payload = await self.accept(record, model, group_id=group_id, reject_event=event)
+            if payload is None:
                 return
             try:
                 await handler(payload, delivery)
@@ -263,11 +259,57 @@ class Bus:
                     "org_id": getattr(payload, "org_id", None),
                 }
                 await self._dead_letter(
-                    delivery, record.value, "handler", reason, group_id, event, named
+                    _where(record), record.value, "handler", reason, group_id, event, named
                 )
 
         subscriber(on_record)
         return Subscription(topic=topic, group_id=group_id, model=model, subscriber=subscriber)
+
+    async def accept(
+        self,
+        record: Any,
+        model: type[M],
+        *,
+        group_id: str | None,
+        reject_event: JobEventType | Literal["default"] | None = "default",
+    ) -> M | None:
+        """Decode a consumer record into `model`; if it does not decode or validate, dead-letter
+        it (telling the job it names) and return None. For consumers of our own making."""
+        try:
+            return _decode_record(record.value, model)
+        except DecodeError as e:
+            event = (
+                DEFAULT_REJECT_EVENT.get(record.topic)
+                if reject_event == "default"
+                else reject_event
+            )
+            await self._dead_letter(
+                _where(record), record.value, e.kind, e.reason, group_id, event, e.document
+            )
+            return None
+
+    def consumer(
+        self, *names: str, group_id: str | None, from_beginning: bool = True, **options: Any
+    ):
+        """A raw aiokafka consumer with this bus's connection and size settings, committing
+        nothing by itself: for consumers that track their own offsets."""
+        from aiokafka import AIOKafkaConsumer
+
+        fetch_limit = self.settings.max_message_bytes + 1024 * 1024
+        return AIOKafkaConsumer(
+            *names,
+            bootstrap_servers=self.settings.bootstrap_servers,
+            client_id=f"{self.settings.client_id_prefix}-{self.service.replace('/', '-')}",
+            group_id=group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest" if from_beginning else "latest",
+            max_partition_fetch_bytes=fetch_limit,
+            fetch_max_bytes=max(fetch_limit, 50 * 1024 * 1024),
+            session_timeout_ms=self.settings.session_timeout_ms,
+            heartbeat_interval_ms=self.settings.heartbeat_interval_ms,
+            request_timeout_ms=self.settings.request_timeout_ms,
+            **options,
+        )
 
     async def start_subscription(self, subscription: Subscription[Any]) -> None:
         """Start a subscription added after the bus started."""
@@ -275,7 +317,7 @@ class Bus:
 
     async def _dead_letter(
         self,
-        delivery: Delivery,
+        delivery: _Where,
         value: bytes | None,
         error: str,
         reason: str,
@@ -349,6 +391,18 @@ def _faststream_logger(service: str) -> logging.Logger:
     if not any(isinstance(f, _DropTopicCreationWarning) for f in logger.filters):
         logger.addFilter(_DropTopicCreationWarning())
     return logger
+
+
+@dataclass(frozen=True)
+class _Where:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+
+
+def _where(record: Any) -> _Where:
+    return _Where(record.topic, record.partition, record.offset, record.key)
 
 
 def topic_for(message: BaseModel) -> str:

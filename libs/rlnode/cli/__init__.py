@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=f"rlnode {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     node.register(commands)
+    node.register_model(commands)
     vault.register(commands)
     taskapp.register(commands)
     args = parser.parse_args(argv)

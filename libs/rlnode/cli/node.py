@@ -109,3 +109,27 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--partitions", type=int, default=None, help="default: KAFKA_PARTITIONS or 3"
     )
     create.set_defaults(run=_topics_create)
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    from rlnode.engine.tiny import init_tiny_model
+
+    out = init_tiny_model(
+        args.out, seed=args.seed, hidden=args.hidden, layers=args.layers, heads=args.heads
+    )
+    print(f"wrote a tiny Llama model and its tokenizer to {out}")
+    return 0
+
+
+def register_model(commands: argparse._SubParsersAction) -> None:
+    model = commands.add_parser("model", help="models")
+    sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
+    init = sub.add_parser(
+        "init", help="build a tiny random Llama model and tokenizer locally (HF format)"
+    )
+    init.add_argument("--out", type=Path, required=True)
+    init.add_argument("--seed", type=int, default=0)
+    init.add_argument("--hidden", type=int, default=64)
+    init.add_argument("--layers", type=int, default=2)
+    init.add_argument("--heads", type=int, default=4)
+    init.set_defaults(run=_model_init)

@@ -56,6 +56,7 @@ class JobEventType(StrEnum):
     TRAIN_STEP = "train.step"
     WEIGHTS_PUBLISHED = "weights.published"
     WEIGHTS_LOADED = "weights.loaded"
+    WEIGHTS_REFUSED = "weights.refused"
     CHECKPOINT_SAVED = "checkpoint.saved"
     COMPLETED = "job.completed"
     FAILED = "job.failed"
@@ -121,6 +122,12 @@ class WeightsLoadedData(EventData):
     probe_ok: bool
 
 
+class WeightsRefusedData(EventData):
+    version: NonNegativeInt
+    generator: str
+    reason: str = Field(min_length=1)
+
+
 class CheckpointSavedData(EventData):
     step: NonNegativeInt
     uri: str
@@ -142,6 +149,7 @@ EVENT_DATA: dict[JobEventType, type[EventData]] = {
     JobEventType.TRAIN_STEP: TrainStepData,
     JobEventType.WEIGHTS_PUBLISHED: WeightsPublishedData,
     JobEventType.WEIGHTS_LOADED: WeightsLoadedData,
+    JobEventType.WEIGHTS_REFUSED: WeightsRefusedData,
     JobEventType.CHECKPOINT_SAVED: CheckpointSavedData,
 }
 

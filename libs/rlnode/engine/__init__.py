@@ -1,0 +1,26 @@
+"""Inference engines behind one interface (see `base.Engine`)."""
+
+from rlnode.engine.base import Engine, EngineError, GenerationRequest, GenerationResult, render_chat
+
+
+def create_engine(kind: str, model_path, **options) -> Engine:
+    """`kind` is "torch" (CPU or GPU) or "vllm" (GPU; imported only when asked for)."""
+    if kind == "torch":
+        from rlnode.engine.torch_engine import TorchEngine
+
+        return TorchEngine(model_path, **options)
+    if kind == "vllm":
+        from rlnode.engine.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, **options)
+    raise EngineError(f"unknown engine {kind!r}: use 'torch' or 'vllm'")
+
+
+__all__ = [
+    "Engine",
+    "EngineError",
+    "GenerationRequest",
+    "GenerationResult",
+    "create_engine",
+    "render_chat",
+]

@@ -1,0 +1,285 @@
+"""The torch engine: Hugging Face transformers models on CPU or GPU, batched sampling with a
+KV cache, and a small scheduler that coalesces concurrent requests into batches."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import inspect
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rlnode.engine.base import EngineError, GenerationRequest, GenerationResult
+
+log = logging.getLogger("rlnode.engine.torch")
+
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+
+
+@dataclass
+class _Pending:
+    request: GenerationRequest
+    future: asyncio.Future
+
+
+def _cache_of(output: Any) -> Any:
+    cache = output.get("cache") if hasattr(output, "get") else None
+    return cache if cache is not None else output.past_key_values
+
+
+def load_model(path: Path, device: str, dtype: str = "auto"):
+    """Load a Hugging Face causal LM and its tokenizer: the same code for the tiny local
+    model and a real one."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    if dtype == "auto":
+        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    else:
+        torch_dtype = getattr(torch, DTYPES[dtype])
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+    except OSError as e:
+        raise EngineError(f"cannot load a model from {path}: {e}") from None
+    model.to(device).eval()
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+class TorchEngine:
+    def __init__(
+        self,
+        model_path: Path | str,
+        *,
+        device: str = "cpu",
+        dtype: str = "auto",
+        max_batch_size: int = 32,
+        max_wait_ms: float = 5.0,
+        seed: int = 0,
+    ) -> None:
+        import torch
+
+        self.model_path = Path(model_path)
+        self.device = device
+        self.max_batch_size = max_batch_size
+        self.max_wait_s = max_wait_ms / 1000
+        self.model, self.tokenizer = load_model(self.model_path, device, dtype)
+        # transformers 5 calls the KV cache `cache`; 4.x called it `past_key_values`.
+        parameters = inspect.signature(self.model.forward).parameters
+        self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
+        self.policy_version = 0
+        self.batches = 0
+        self.batched_requests = 0
+        self._generator = torch.Generator(device=device).manual_seed(seed)
+        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        self._scheduler: asyncio.Task | None = None
+        self._model_lock = asyncio.Lock()  # held by a batch and by a weight load: never both
+
+    # -- public interface --------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if not request.prompt_ids:
+            raise EngineError("empty prompt")
+        if self._scheduler is None or self._scheduler.done():
+            self._scheduler = asyncio.create_task(self._schedule(), name="torch-engine-scheduler")
+        future = asyncio.get_running_loop().create_future()
+        await self._queue.put(_Pending(request, future))
+        return await future
+
+    async def load_weights(self, path: Path, version: int) -> float:
+        from safetensors.torch import load_file
+
+        started = time.perf_counter()
+        state = await asyncio.to_thread(load_file, str(path), device=self.device)
+        async with self._model_lock:  # waits for the batch in flight to finish
+            await asyncio.to_thread(self._apply_state, state)
+            self.policy_version = version
+        return time.perf_counter() - started
+
+    async def score(
+        self, sequences: list[list[int]], temperature: float = 1.0
+    ) -> list[list[float]]:
+        async with self._model_lock:
+            return await asyncio.to_thread(self.score_sync, sequences, temperature)
+
+    async def close(self) -> None:
+        if self._scheduler is not None:
+            self._scheduler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._scheduler
+        while not self._queue.empty():
+            pending = self._queue.get_nowait()
+            if not pending.future.done():
+                pending.future.set_exception(EngineError("the engine was closed"))
+
+    # -- scheduling ----------------------------------------------------------------------
+
+    async def _schedule(self) -> None:
+        while True:
+            first = await self._queue.get()
+            batch = [first]
+            deadline = time.monotonic() + self.max_wait_s
+            while len(batch) < self.max_batch_size:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    break
+                try:
+                    batch.append(await asyncio.wait_for(self._queue.get(), timeout))
+                except TimeoutError:
+                    break
+            batch = [p for p in batch if not p.future.cancelled()]
+            if not batch:
+                continue
+            async with self._model_lock:
+                version = self.policy_version
+                try:
+                    results = await asyncio.to_thread(
+                        self._generate_batch, [p.request for p in batch], version
+                    )
+                except Exception as e:  # a failing batch fails its requests, not the engine
+                    log.exception("batch of %d failed", len(batch))
+                    for p in batch:
+                        if not p.future.done():
+                            p.future.set_exception(
+                                EngineError(f"generation failed: {type(e).__name__}: {e}")
+                            )
+                    continue
+            self.batches += 1
+            self.batched_requests += len(batch)
+            for p, result in zip(batch, results, strict=True):
+                if not p.future.done():
+                    p.future.set_result(result)
+
+    # -- compute (in a worker thread) ------------------------------------------------------
+
+    def _apply_state(self, state: dict[str, Any]) -> None:
+        import torch
+
+        with torch.no_grad():
+            missing, unexpected = self.model.load_state_dict(state, strict=False)
+        # Tied embeddings appear once in a checkpoint; anything else missing is an error.
+        missing = [k for k in missing if not k.endswith("lm_head.weight")]
+        if missing or unexpected:
+            raise EngineError(
+                f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
+            )
+
+    def _generate_batch(
+        self, requests: list[GenerationRequest], version: int
+    ) -> list[GenerationResult]:
+        import torch
+
+        tokenizer = self.tokenizer
+        pad = tokenizer.pad_token_id
+        eos = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+        size = len(requests)
+        width = max(len(r.prompt_ids) for r in requests)
+        input_ids = torch.full((size, width), pad, dtype=torch.long)
+        mask = torch.zeros((size, width), dtype=torch.long)
+        for row, r in enumerate(requests):  # left padding: every row's next token is at the end
+            input_ids[row, width - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
+            mask[row, width - len(r.prompt_ids) :] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)
+        temperature = torch.tensor([r.temperature for r in requests], device=self.device).unsqueeze(
+            -1
+        )
+        greedy = temperature.squeeze(-1) <= 0
+        temperature = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
+        top_p = torch.tensor([r.top_p for r in requests], device=self.device).unsqueeze(-1)
+        limits = [r.max_tokens for r in requests]
+        stops = [set(r.stop_token_ids) | eos for r in requests]
+        completions: list[list[int]] = [[] for _ in requests]
+        logprobs: list[list[float]] = [[] for _ in requests]
+        finish: list[str | None] = [None] * size
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True
+            )
+            cache = _cache_of(out)
+            logits = out.logits[:, -1, :].float()
+            next_position = positions[:, -1:] + 1
+            for _ in range(max(limits)):
+                scaled = torch.log_softmax(logits / temperature, dim=-1)
+                sampled = self._sample(scaled, top_p, greedy)
+                chosen = scaled.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+                ids, lps = sampled.tolist(), chosen.tolist()
+                for row in range(size):
+                    if finish[row] is not None:
+                        continue
+                    completions[row].append(ids[row])
+                    logprobs[row].append(lps[row])
+                    if ids[row] in stops[row]:
+                        finish[row] = "stop"
+                    elif self._hit_stop_string(requests[row], completions[row]):
+                        finish[row] = "stop"
+                    elif len(completions[row]) >= limits[row]:
+                        finish[row] = "length"
+                if all(f is not None for f in finish):
+                    break
+                mask = torch.cat(
+                    [mask, torch.ones((size, 1), dtype=mask.dtype, device=self.device)], dim=-1
+                )
+                out = self.model(
+                    input_ids=sampled.unsqueeze(-1),
+                    attention_mask=mask,
+                    position_ids=next_position,
+                    use_cache=True,
+                    **{self._cache_arg: cache},
+                )
+                cache = _cache_of(out)
+                logits = out.logits[:, -1, :].float()
+                next_position = next_position + 1
+        return [
+            GenerationResult(
+                completion_ids=c, logprobs=lp, finish_reason=f or "length", policy_version=version
+            )
+            for c, lp, f in zip(completions, logprobs, finish, strict=True)
+        ]
+
+    def _sample(self, scaled_logprobs, top_p, greedy):
+        import torch
+
+        probs = scaled_logprobs.exp()
+        if bool((top_p < 1.0).any()):
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            outside = (
+                sorted_probs.cumsum(-1) - sorted_probs > top_p
+            )  # keep the smallest set reaching top_p
+            sorted_probs = sorted_probs.masked_fill(outside, 0.0)
+            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+        sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+        return torch.where(greedy, scaled_logprobs.argmax(-1), sampled)
+
+    def _hit_stop_string(self, request: GenerationRequest, completion: list[int]) -> bool:
+        if not request.stop:
+            return False
+        text = self.tokenizer.decode(completion, skip_special_tokens=True)
+        return any(s in text for s in request.stop)
+
+    def score_sync(self, sequences: list[list[int]], temperature: float = 1.0) -> list[list[float]]:
+        import torch
+
+        pad = self.tokenizer.pad_token_id
+        width = max(len(s) for s in sequences)
+        input_ids = torch.full((len(sequences), width), pad, dtype=torch.long)
+        mask = torch.zeros_like(input_ids)
+        for row, s in enumerate(sequences):  # right padding: positions start at 0 everywhere
+            input_ids[row, : len(s)] = torch.tensor(s)
+            mask[row, : len(s)] = 1
+        input_ids, mask = input_ids.to(self.device), mask.to(self.device)
+        with torch.inference_mode():
+            logits = self.model(input_ids=input_ids, attention_mask=mask).logits.float()
+            scaled = torch.log_softmax(
+                logits[:, :-1] / (temperature if temperature > 0 else 1.0), dim=-1
+            )
+            chosen = scaled.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        return [chosen[row, : len(s) - 1].tolist() for row, s in enumerate(sequences)]
