@@ -1,0 +1,79 @@
+"""Following the learner's weight versions: check the checksum, load between batches, probe
+parity, and say so on the job-events topic (`weights.loaded` or `weights.refused`)."""
+
+from __future__ import annotations
+
+import logging
+
+from rlnode.bus import Bus, Delivery
+from rlnode.messages import JobEvent, JobEventType, WeightVersion
+from rollout_generator.engines import EnginePool, WeightsRefused
+from rollout_generator.settings import GeneratorSettings
+
+log = logging.getLogger("rollout_generator.weights")
+
+
+class WeightSync:
+    def __init__(self, settings: GeneratorSettings, pool: EnginePool, bus: Bus) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.bus = bus
+
+    async def on_weight_version(self, version: WeightVersion, _delivery: Delivery) -> None:
+        latest = self.pool.latest.get(version.job_id)
+        if latest is None or version.version > latest.version:
+            self.pool.latest[version.job_id] = version
+        if (
+            version.job_id in self.pool.jobs
+        ):  # else: loaded when this generator first serves the job
+            await self._load(version)
+
+    async def catch_up(self, job_id: str, org_id: str) -> None:
+        """Before a rollout: load the newest version this generator has seen for the job."""
+        latest = self.pool.latest.get(job_id)
+        engines = self.pool.jobs.get(job_id)
+        if latest is not None and engines is not None and latest.version > engines.loaded_version:
+            await self._load(latest)
+
+    async def _load(self, version: WeightVersion) -> None:
+        engines = self.pool.jobs[version.job_id]
+        if version.version <= engines.loaded_version:
+            return
+        generator = self.settings.generator_id
+        try:
+            seconds, diff = await self.pool.load(engines, version)
+        except WeightsRefused as e:
+            log.warning("refused weights v%d of %s: %s", version.version, version.job_id, e)
+            await self.bus.publish(
+                JobEvent(
+                    job_id=version.job_id,
+                    org_id=version.org_id,
+                    type=JobEventType.WEIGHTS_REFUSED,
+                    source=f"rollout-generator/{generator}",
+                    message=f"generator {generator} refused weights v{version.version}: {e}",
+                    data={"version": version.version, "generator": generator, "reason": str(e)},
+                )
+            )
+            return
+        if seconds == 0.0 and diff == 0.0:
+            return  # someone else loaded it meanwhile
+        ok = diff <= self.settings.probe_tolerance
+        await self.bus.publish(
+            JobEvent(
+                job_id=version.job_id,
+                org_id=version.org_id,
+                type=JobEventType.WEIGHTS_LOADED,
+                source=f"rollout-generator/{generator}",
+                message=(
+                    f"generator {generator} loaded v{version.version} in {seconds:.3f}s; parity probe "
+                    f"max |Δlogprob| {diff:.2e} ({'ok' if ok else 'OVER tolerance'})"
+                ),
+                data={
+                    "version": version.version,
+                    "generator": generator,
+                    "load_s": seconds,
+                    "probe_max_abs_diff": diff,
+                    "probe_ok": ok,
+                },
+            )
+        )

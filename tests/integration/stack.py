@@ -1,0 +1,84 @@
+"""Real service processes for tests that need several of them: a vault, a gateway, rollout
+generators, with the tokens each needs."""
+
+from __future__ import annotations
+
+import secrets
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlnode.localbroker import free_port
+from rlnode.process import SERVICES_BY_NAME, ServiceProcess
+from tests.integration.vault_fixtures import RunningVault
+
+
+@dataclass
+class Stack:
+    directory: Path
+    vault: RunningVault
+    gateway: ServiceProcess
+    org_id: str
+    org_token: str
+    key: str
+    generator_token: str
+    processes: list[ServiceProcess] = field(default_factory=list)
+
+    def generator(self, name: str, kafka_bootstrap: str, **env: str) -> ServiceProcess:
+        process = ServiceProcess(
+            SERVICES_BY_NAME["rollout-generator"],
+            free_port(),
+            self.directory / f"generator-{name}.log",
+            env={
+                "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+                "KAFKA_SESSION_TIMEOUT_MS": "6000",
+                "KAFKA_HEARTBEAT_INTERVAL_MS": "2000",
+                "GENERATOR_GATEWAY_URL": self.gateway.url,
+                "GENERATOR_SERVICE_TOKEN": self.generator_token,
+                "GENERATOR_GENERATOR_ID": name,
+                "GENERATOR_MAX_WAIT_MS": "2",
+                "RLNODE_DATA_DIR": str(self.directory / f"generator-{name}"),
+                **env,
+            },
+        ).start()
+        self.processes.append(process)
+        return process
+
+    def stop(self) -> None:
+        for process in reversed(self.processes):
+            process.stop()
+        self.gateway.stop()
+        self.vault.stop()
+
+
+def start_stack(directory: Path, **gateway_env: str) -> Stack:
+    """A vault with one org whose ENVIRONMENT_API_KEY is set, and a gateway that can unseal it."""
+    vault = RunningVault(f"sqlite:///{directory / 'vault.sqlite3'}", directory / "vault").start()
+    org_id, org_token = vault.new_org()
+    key = "tk-" + secrets.token_hex(16)
+    with vault.client(org_token) as org:
+        org.set_secret("ENVIRONMENT_API_KEY", key)
+    gateway = ServiceProcess(
+        SERVICES_BY_NAME["taskapp-gateway"],
+        free_port(),
+        directory / "gateway.log",
+        env={
+            "GATEWAY_VAULT_URL": vault.url,
+            "GATEWAY_SERVICE_TOKEN": vault.service_token(["secrets:unseal"]),
+            "DATABASE_URL": f"sqlite:///{directory / 'gateway.sqlite3'}",
+            "RLNODE_DATA_DIR": str(directory / "gateway-data"),
+            "GATEWAY_HEALTH_INTERVAL_S": "0.5",
+            "GATEWAY_RESTART_BACKOFF_S": "0.2",
+            "GATEWAY_CONNECT_RETRIES": "2",
+            **gateway_env,
+        },
+    ).start()
+    gateway.wait_healthy()
+    return Stack(
+        directory=directory,
+        vault=vault,
+        gateway=gateway,
+        org_id=org_id,
+        org_token=org_token,
+        key=key,
+        generator_token=vault.service_token(["rollouts:run"], service="rollout-generator"),
+    )

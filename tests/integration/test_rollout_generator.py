@@ -1,0 +1,377 @@
+"""The rollout-generator over the real broker, with a real vault, gateway and managed
+example Task Apps: work in, trajectories out, recorded tokens that a forward pass of the
+same weights reproduces, weight versions, and generators that die."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import signal
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+from fastapi import FastAPI, Header, HTTPException, Request
+from safetensors.torch import load_file
+
+from rlnode import topics
+from rlnode.bus import Bus
+from rlnode.engine.tiny import init_tiny_model
+from rlnode.engine.torch_engine import TorchEngine
+from rlnode.messages import (
+    JobEvent,
+    JobEventType,
+    ModelSpec,
+    ParityProbe,
+    RolloutWork,
+    SamplingSpec,
+    TaskAppSpec,
+    Trajectory,
+    WeightVersion,
+)
+from rlnode.sdk.gateway import GatewayClient
+from rlnode.testing import ThreadedServer, unique_id
+from tests.integration.stack import Stack, start_stack
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.asyncio
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return init_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    stack = start_stack(tmp_path_factory.mktemp("generator-stack"))
+    with GatewayClient(stack.gateway.url, stack.org_token) as gateway:
+        gateway.register(
+            "copy", command=[sys.executable, str(ROOT / "examples/taskapps/copy_task.py")]
+        )
+        gateway.register(
+            "guess", command=[sys.executable, str(ROOT / "examples/taskapps/guess_number.py")]
+        )
+        assert gateway.verify("copy")["ok"] and gateway.verify("guess")["ok"]
+    yield stack
+    stack.stop()
+
+
+def work_items(
+    stack: Stack, model: Path, job_id: str, count: int, task_app: str = "copy", **config
+) -> list[RolloutWork]:
+    return [
+        RolloutWork(
+            job_id=job_id,
+            org_id=stack.org_id,
+            step=0,
+            policy_version=0,
+            group_id=f"0/{i // 2}",
+            seed=i // 2,
+            sample_index=i % 2,
+            group_size=2,
+            model=ModelSpec(source=str(model)),
+            task_app=TaskAppSpec(name=task_app, env_config=config, rollout_timeout_s=60),
+            sampling=SamplingSpec(max_tokens=8, temperature=1.0),
+        )
+        for i in range(count)
+    ]
+
+
+async def collect(
+    bus_factory, job_id: str, want: int, within_s: float = 120.0, events: list | None = None
+) -> list[Trajectory]:
+    """Trajectories of `job_id` until `want` distinct work items are covered."""
+    bus: Bus = bus_factory("test-collector")
+    got: dict = {}
+    done = asyncio.Event()
+
+    async def on_trajectory(t: Trajectory, _d) -> None:
+        if t.job_id == job_id:
+            got.setdefault(t.work_id, []).append(t)
+            if len(got) >= want:
+                done.set()
+
+    async def on_event(e: JobEvent, _d) -> None:
+        if events is not None and e.job_id == job_id:
+            events.append(e)
+
+    bus.subscribe(topics.TRAJECTORIES, on_trajectory, group_id=None, commit="none")
+    bus.subscribe(topics.JOB_EVENTS, on_event, group_id=None, commit="none")
+    await bus.start()
+    try:
+        await asyncio.wait_for(done.wait(), within_s)
+    finally:
+        await bus.stop()
+    return [t for ts in got.values() for t in ts]
+
+
+async def test_work_in_trajectories_out_with_reproducible_logprobs(
+    stack, tiny_model, kafka_broker, make_bus
+) -> None:
+    generator = stack.generator(
+        "solo", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=unique_id("gen")
+    )
+    generator.wait_healthy()
+    job_id = unique_id("job")
+    items = work_items(stack, tiny_model, job_id, 6)
+    producer = make_bus("learner-test")
+    await producer.start()
+    for item in items:
+        await producer.publish(item)
+    trajectories = await collect(make_bus, job_id, len(items))
+    assert {t.work_id for t in trajectories} == {w.id for w in items}
+    by_work = {t.work_id: t for t in trajectories}
+    engine = TorchEngine(tiny_model)
+    for work in items:
+        t = by_work[work.id]
+        assert t.status == "ok", t.failure
+        assert (t.seed, t.sample_index, t.group_id) == (work.seed, work.sample_index, work.group_id)
+        assert 0.0 <= t.reward <= 1.0 and t.step_rewards == [t.reward]
+        (turn,) = t.turns
+        assert turn.policy_version == 0 and 1 <= len(turn.completion_ids) <= 8
+        recomputed = engine.score_sync([turn.prompt_ids + turn.completion_ids])[0][
+            len(turn.prompt_ids) - 1 :
+        ]
+        assert recomputed == pytest.approx(turn.logprobs, abs=1e-4)
+        prompt = engine.tokenizer.decode(turn.prompt_ids)
+        assert prompt.startswith("<|user|>Copy: ") and prompt.endswith("<|assistant|>")
+    assert generator.stop() == 0
+
+
+async def test_multi_turn_episode_is_one_trajectory_with_every_turn(
+    stack, tiny_model, kafka_broker, make_bus
+) -> None:
+    generator = stack.generator(
+        "multi", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=unique_id("gen")
+    )
+    generator.wait_healthy()
+    job_id = unique_id("job")
+    (item,) = work_items(stack, tiny_model, job_id, 1, task_app="guess", high=1000, max_turns=3)
+    producer = make_bus("learner-test")
+    await producer.start()
+    await producer.publish(item)
+    (trajectory,) = await collect(make_bus, job_id, 1)
+    assert trajectory.status == "ok", trajectory.failure
+    # A random tiny model does not find a number in 1..1000: all three turns are played.
+    assert len(trajectory.turns) == 3
+    # Each turn's prompt holds the conversation so far, including the earlier completions.
+    assert (
+        trajectory.turns[1].prompt_ids[: len(trajectory.turns[0].prompt_ids)]
+        == trajectory.turns[0].prompt_ids
+    )
+    assert generator.stop() == 0
+
+
+def _perturbed_weights(model: Path, out: Path, scale: float) -> tuple[Path, str]:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(model / "model.safetensors"))
+    generator = torch.Generator().manual_seed(1)
+    changed = {
+        k: (v + scale * torch.randn(v.shape, generator=generator)).contiguous()
+        for k, v in state.items()
+    }
+    save_file(changed, str(out))
+    return out, hashlib.sha256(out.read_bytes()).hexdigest()
+
+
+async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
+    stack, tiny_model, kafka_broker, make_bus, tmp_path
+) -> None:
+    generator = stack.generator(
+        "weights", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=unique_id("gen")
+    )
+    generator.wait_healthy()
+    job_id = unique_id("job")
+    producer = make_bus("learner-test")
+    await producer.start()
+    first = work_items(stack, tiny_model, job_id, 2)
+    for item in first:
+        await producer.publish(item)
+    events: list[JobEvent] = []
+    await collect(make_bus, job_id, 2)
+
+    path, digest = _perturbed_weights(tiny_model, tmp_path / "v1.safetensors", 0.05)
+    probe_tokens = [1, 44, 30, 31, 40, 83, 100, 16, 17]
+    reference = TorchEngine(tiny_model)
+    reference._apply_state(load_file(str(path)))
+    probe = ParityProbe(token_ids=probe_tokens, logprobs=reference.score_sync([probe_tokens])[0])
+    bad = WeightVersion(
+        job_id=job_id,
+        org_id=stack.org_id,
+        version=1,
+        step=1,
+        uri=path.as_uri(),
+        sha256="0" * 64,
+        size_bytes=path.stat().st_size,
+        dtype="float32",
+        probe=probe,
+    )
+    await producer.publish(bad)
+    good = bad.model_copy(update={"version": 2, "sha256": digest, "id": uuid.uuid4()})
+    await producer.publish(good)
+    later = work_items(stack, tiny_model, job_id, 2)
+    await asyncio.sleep(1.0)
+    for item in later:
+        await producer.publish(item)
+    trajectories = await collect(make_bus, job_id, 4, events=events)
+    refused = [e for e in events if e.type is JobEventType.WEIGHTS_REFUSED]
+    loaded = [e for e in events if e.type is JobEventType.WEIGHTS_LOADED]
+    assert [e.data["version"] for e in refused] == [1] and "sha256" in refused[0].data["reason"]
+    assert [e.data["version"] for e in loaded] == [2]
+    assert loaded[0].data["probe_ok"] is True and loaded[0].data["probe_max_abs_diff"] < 1e-4
+    later_ids = {w.id for w in later}
+    for t in trajectories:
+        if t.work_id in later_ids:
+            assert t.turns[0].policy_version == 2
+            recomputed = reference.score_sync([t.turns[0].prompt_ids + t.turns[0].completion_ids])[
+                0
+            ]
+            assert recomputed[len(t.turns[0].prompt_ids) - 1 :] == pytest.approx(
+                t.turns[0].logprobs, abs=1e-4
+            )
+    assert generator.stop() == 0
+
+
+async def test_two_generators_share_work_and_a_killed_one_loses_none(
+    stack, tiny_model, kafka_broker, make_bus
+) -> None:
+    group = unique_id("gen")
+    a = stack.generator(
+        "a", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=group, GENERATOR_CONCURRENCY="2"
+    )
+    b = stack.generator(
+        "b", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=group, GENERATOR_CONCURRENCY="2"
+    )
+    a.wait_healthy()
+    b.wait_healthy()
+    await asyncio.sleep(8)  # both in the group, partitions split between them
+    job_ids = [unique_id("job") for _ in range(6)]  # several keys, so every partition gets work
+    items = [w for job in job_ids for w in work_items(stack, tiny_model, job, 8)]
+    producer = make_bus("learner-test")
+    await producer.start()
+    for item in items:
+        await producer.publish(item)
+    await asyncio.sleep(1.5)
+    os.kill(b.proc.pid, signal.SIGKILL)  # mid-run: whatever b had in flight was not committed
+
+    collector = make_bus("test-collector")
+    seen: dict = {}
+    done = asyncio.Event()
+
+    async def on_trajectory(t: Trajectory, _d) -> None:
+        if t.job_id in job_ids:
+            seen.setdefault(t.work_id, []).append(t)
+            if len(seen) == len(items):
+                done.set()
+
+    collector.subscribe(topics.TRAJECTORIES, on_trajectory, group_id=None, commit="none")
+    await collector.start()
+    await asyncio.wait_for(done.wait(), 120)
+    assert {w.id for w in items} == set(seen)  # no work item lost
+    generators = {t.generator for ts in seen.values() for t in ts}
+    assert generators == {"a", "b"}, generators  # both worked before b died
+    assert all(t.status == "ok" for ts in seen.values() for t in ts)
+    assert a.stop() == 0
+
+
+def openai_task_app(key: str) -> FastAPI:
+    """A Task App whose author uses the official openai client against the inference URL."""
+    from openai import AsyncOpenAI
+
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health(x_api_key: str | None = Header(None)):
+        if x_api_key != key:
+            raise HTTPException(401, "invalid API key")
+        return {"healthy": True}
+
+    @app.post("/rollout")
+    async def rollout(request: Request, x_api_key: str | None = Header(None)):
+        if x_api_key != key:
+            raise HTTPException(401, "invalid API key")
+        body = await request.json()
+        config = body["policy"]["config"]
+        client = AsyncOpenAI(base_url=config["inference_url"] + "/v1", api_key="unused")
+        chat = await client.chat.completions.create(
+            model=config["model"], messages=[{"role": "user", "content": "Copy: ab"}], max_tokens=4
+        )
+        plain = await client.completions.create(
+            model=config["model"], prompt="Copy: ab", max_tokens=3
+        )
+        text = chat.choices[0].message.content + plain.choices[0].text
+        reward = 1.0 if "ab" in text else 0.0
+        return {
+            "run_id": body["run_id"],
+            "trajectories": [
+                {
+                    "env_id": "e",
+                    "policy_id": "p",
+                    "length": 2,
+                    "steps": [
+                        {
+                            "obs": {},
+                            "tool_calls": [],
+                            "reward": reward,
+                            "done": True,
+                            "info": {
+                                "chat_tokens": chat.usage.completion_tokens,
+                                "finish": chat.choices[0].finish_reason,
+                            },
+                        }
+                    ],
+                }
+            ],
+            "metrics": {"episode_returns": [reward], "mean_return": reward, "num_steps": 1},
+        }
+
+    return app
+
+
+async def test_the_official_openai_client_works_against_rollout_endpoints(
+    stack, tiny_model, kafka_broker, make_bus
+) -> None:
+    with ThreadedServer(openai_task_app(stack.key)) as task_app:
+        name = unique_id("openai")
+        with GatewayClient(stack.gateway.url, stack.org_token) as gateway:
+            gateway.register(name, url=task_app.url)
+        generator = stack.generator(
+            "openai", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=unique_id("gen")
+        )
+        generator.wait_healthy()
+        job_id = unique_id("job")
+        (item,) = work_items(stack, tiny_model, job_id, 1, task_app=name)
+        producer = make_bus("learner-test")
+        await producer.start()
+        await producer.publish(item)
+        (trajectory,) = await collect(make_bus, job_id, 1)
+        assert generator.stop() == 0
+    assert trajectory.status == "ok", trajectory.failure
+    assert len(trajectory.turns) == 2  # the chat call and the completions call, both recorded
+    assert (
+        len(trajectory.turns[0].completion_ids) <= 4
+        and len(trajectory.turns[1].completion_ids) <= 3
+    )
+
+
+async def test_a_failed_rollout_is_published_as_failed_not_dropped(
+    stack, tiny_model, kafka_broker, make_bus
+) -> None:
+    generator = stack.generator(
+        "failing", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=unique_id("gen")
+    )
+    generator.wait_healthy()
+    job_id = unique_id("job")
+    (item,) = work_items(stack, tiny_model, job_id, 1, task_app="not-registered")
+    producer = make_bus("learner-test")
+    await producer.start()
+    await producer.publish(item)
+    (trajectory,) = await collect(make_bus, job_id, 1)
+    assert trajectory.status == "failed" and trajectory.failure.kind == "task_app_unreachable"
+    assert "no Task App named 'not-registered'" in trajectory.failure.message
+    assert generator.stop() == 0
