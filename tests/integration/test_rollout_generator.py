@@ -12,6 +12,7 @@ import sys
 import uuid
 from pathlib import Path
 
+import httpx
 import pytest
 from fastapi import FastAPI, Header, HTTPException, Request
 from safetensors.torch import load_file
@@ -375,3 +376,88 @@ async def test_a_failed_rollout_is_published_as_failed_not_dropped(
     assert trajectory.status == "failed" and trajectory.failure.kind == "task_app_unreachable"
     assert "no Task App named 'not-registered'" in trajectory.failure.message
     assert generator.stop() == 0
+
+
+def slow_task_app(key: str, delay_s: float) -> FastAPI:
+    """A Task App that thinks for `delay_s` before asking the policy, so rollouts are in
+    flight when the generator is told to stop."""
+    app = FastAPI()
+
+    @app.get("/health")
+    async def health(x_api_key: str | None = Header(None)):
+        if x_api_key != key:
+            raise HTTPException(401, "invalid API key")
+        return {"healthy": True}
+
+    @app.post("/rollout")
+    async def rollout(request: Request, x_api_key: str | None = Header(None)):
+        if x_api_key != key:
+            raise HTTPException(401, "invalid API key")
+        body = await request.json()
+        await asyncio.sleep(delay_s)
+        config = body["policy"]["config"]
+        async with httpx.AsyncClient() as http:
+            answer = await http.post(
+                config["inference_url"] + "/v1/chat/completions",
+                json={
+                    "model": config["model"],
+                    "messages": [{"role": "user", "content": "Copy: ab"}],
+                },
+            )
+        answer.raise_for_status()
+        return {
+            "run_id": body["run_id"],
+            "trajectories": [
+                {"steps": [{"obs": {}, "tool_calls": [], "reward": 0.5, "done": True}]}
+            ],
+            "metrics": {"episode_returns": [0.5]},
+        }
+
+    return app
+
+
+async def test_sigterm_mid_run_exits_cleanly_and_leaves_unfinished_work_to_others(
+    stack, tiny_model, kafka_broker, make_bus
+) -> None:
+    group = unique_id("gen")
+    with ThreadedServer(slow_task_app(stack.key, 1.5)) as task_app:
+        name = unique_id("slow")
+        with GatewayClient(stack.gateway.url, stack.org_token) as gateway:
+            gateway.register(name, url=task_app.url)
+        first = stack.generator(
+            "stopper",
+            kafka_broker.bootstrap_servers,
+            GENERATOR_WORK_GROUP=group,
+            GENERATOR_CONCURRENCY="4",
+            GENERATOR_DRAIN_TIMEOUT_S="0.3",
+        )
+        first.wait_healthy()
+        job_id = unique_id("job")
+        items = work_items(stack, tiny_model, job_id, 8, task_app=name)
+        producer = make_bus("learner-test")
+        await producer.start()
+        for item in items:
+            await producer.publish(item)
+        # Stop it once some rollouts are done while others are still in flight.
+        async with asyncio.timeout(60), httpx.AsyncClient() as http:
+            while True:
+                status = (await http.get(f"{first.url}/v1/generator")).json()
+                if status["trajectories_published"] >= 1 and status["rollouts_in_flight"] >= 1:
+                    break
+                await asyncio.sleep(0.05)
+        assert first.stop() == 0
+        second = stack.generator(
+            "finisher",
+            kafka_broker.bootstrap_servers,
+            GENERATOR_WORK_GROUP=group,
+            GENERATOR_CONCURRENCY="8",
+        )
+        trajectories = await collect(make_bus, job_id, len(items), within_s=120)
+        assert second.stop() == 0
+    assert {t.work_id for t in trajectories} == {w.id for w in items}
+    assert all(t.status == "ok" for t in trajectories)
+    assert {t.generator for t in trajectories} == {"stopper", "finisher"}
+    assert (
+        "left uncommitted for another generator"
+        in (stack.directory / "generator-stopper.log").read_text()
+    )
