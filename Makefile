@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH   ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 
-.PHONY: setup test test-unit lint format proto proto-check doctor fuzz-vault clean
+.PHONY: setup test test-unit lint format proto proto-check doctor fuzz-vault bench bench-engine clean
 
 setup: $(STAMP)
 
@@ -43,6 +43,12 @@ proto-check: setup
 # schemathesis against the vault's OpenAPI spec, on a real vault process: no 5xx allowed.
 fuzz-vault: setup
 	$(BIN)/python tools/fuzz_vault.py --max-examples 50
+
+# Benchmarks write JSON and a markdown table to bench/results/.
+bench: bench-engine
+
+bench-engine: setup
+	$(BIN)/python bench/engine_batching.py
 
 doctor: setup
 	$(BIN)/rlnode doctor
