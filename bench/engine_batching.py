@@ -24,10 +24,15 @@ from rlnode.engine.torch_engine import TorchEngine
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
-async def run_once(engine: TorchEngine, prompts: list[list[int]], max_tokens: int) -> tuple[float, int]:
+async def run_once(
+    engine: TorchEngine, prompts: list[list[int]], max_tokens: int
+) -> tuple[float, int]:
     started = time.perf_counter()
     results = await asyncio.gather(
-        *(engine.generate(GenerationRequest(p, max_tokens=max_tokens, stop_token_ids=[])) for p in prompts)
+        *(
+            engine.generate(GenerationRequest(p, max_tokens=max_tokens, stop_token_ids=[]))
+            for p in prompts
+        )
     )
     elapsed = time.perf_counter() - started
     return elapsed, sum(len(r.completion_ids) for r in results)
@@ -45,13 +50,24 @@ async def main() -> None:
     args = parser.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
-        model = init_tiny_model(Path(tmp) / "m", seed=0, hidden=args.hidden, layers=args.layers, heads=4)
+        model = init_tiny_model(
+            Path(tmp) / "m", seed=0, hidden=args.hidden, layers=args.layers, heads=4
+        )
         engines = {
-            "batching on": TorchEngine(model, device=args.device, dtype="float32", max_batch_size=args.batch, max_wait_ms=5),
-            "batching off": TorchEngine(model, device=args.device, dtype="float32", max_batch_size=1),
+            "batching on": TorchEngine(
+                model, device=args.device, dtype="float32", max_batch_size=args.batch, max_wait_ms=5
+            ),
+            "batching off": TorchEngine(
+                model, device=args.device, dtype="float32", max_batch_size=1
+            ),
         }
         tokenizer = engines["batching on"].tokenizer
-        prompts = [render_chat(tokenizer, [{"role": "user", "content": f"Copy: {'abcd'[i % 4] * (4 + i % 5)}"}]) for i in range(args.requests)]
+        prompts = [
+            render_chat(
+                tokenizer, [{"role": "user", "content": f"Copy: {'abcd'[i % 4] * (4 + i % 5)}"}]
+            )
+            for i in range(args.requests)
+        ]
         for engine in engines.values():  # warm-up
             await run_once(engine, prompts[:4], 4)
         runs: dict[str, list[float]] = {name: [] for name in engines}
@@ -63,8 +79,12 @@ async def main() -> None:
     ratio = median["batching on"] / median["batching off"]
     result = {
         "benchmark": "engine_batching",
-        "machine": {"platform": platform.platform(), "cpus": torch.get_num_threads(), "device": args.device,
-                    "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None},
+        "machine": {
+            "platform": platform.platform(),
+            "cpus": torch.get_num_threads(),
+            "device": args.device,
+            "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
+        },
         "versions": {"torch": torch.__version__, "python": platform.python_version()},
         "config": vars(args),
         "tokens_per_s": runs,
@@ -75,14 +95,17 @@ async def main() -> None:
     suffix = "" if args.device == "cpu" else f"_{args.device.split(':')[0]}"
     (RESULTS / f"engine_batching{suffix}.json").write_text(json.dumps(result, indent=2) + "\n")
     table = [
-        f"# Engine batching ({args.device}; {args.requests} concurrent requests × {args.max_tokens} tokens; "
-        f"Llama hidden {args.hidden} × {args.layers} layers)",
+        f"# Engine batching ({args.device}; {args.requests} concurrent requests x {args.max_tokens} tokens; "
+        f"Llama hidden {args.hidden} x {args.layers} layers)",
         "",
         "| mode | median tokens/s | runs (tokens/s) |",
         "|---|---|---|",
-        *[f"| {name} | {median[name]:.0f} | {', '.join(f'{v:.0f}' for v in runs[name])} |" for name in runs],
+        *[
+            f"| {name} | {median[name]:.0f} | {', '.join(f'{v:.0f}' for v in runs[name])} |"
+            for name in runs
+        ],
         "",
-        f"Batching on / off: **{ratio:.1f}×**",
+        f"Batching on / off: **{ratio:.1f}x**",
         "",
     ]
     (RESULTS / f"engine_batching{suffix}.md").write_text("\n".join(table))

@@ -122,6 +122,7 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
             "generator": settings.generator_id,
             "rollouts_in_flight": len(registry),
             "trajectories_published": consumer.published,
+            "partitions": consumer.partitions,
             "jobs": {job: e.loaded_version for job, e in pool.jobs.items()},
         }
 

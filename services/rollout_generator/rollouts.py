@@ -4,6 +4,7 @@ what was sampled, and join that record with the rewards into a `Trajectory`."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -12,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from rlnode.engine import GenerationRequest, render_chat
+from rlnode.engine import EngineError, GenerationRequest, render_chat
 from rlnode.messages import RolloutFailure, RolloutWork, TokenTurn, Trajectory
 from rlnode.taskapp.contract import (
     PolicyConfig,
@@ -40,7 +41,7 @@ class InferenceRefused(Exception):
 class ActiveRollout:
     rollout_id: str
     work: RolloutWork
-    engines: JobEngines
+    engines: JobEngines | None
     turns: list[TokenTurn] = field(default_factory=list)
     outcome: dict[str, Any] | None = None  # the gateway's normalised result, once it answered
 
@@ -130,17 +131,37 @@ class RolloutRunner:
         await self._http.aclose()
 
     async def run(self, work: RolloutWork) -> Trajectory:
+        """Always a trajectory: ok, or failed with the reason. Only cancellation (shutdown)
+        escapes, so that the work item stays uncommitted for another generator."""
         started = time.monotonic()
-        engines = await self.pool.for_job(work.job_id, work.model)
-        await self.weights.catch_up(work.job_id, work.org_id)
-        rollout = ActiveRollout(secrets.token_urlsafe(24), work, engines)
-        self.registry.add(rollout)
+        rollout = ActiveRollout(secrets.token_urlsafe(24), work, None)
         try:
+            try:
+                rollout.engines = await self.pool.for_job(work.job_id, work.model)
+            except (EngineError, OSError, ValueError) as e:
+                # Deterministic: retrying the work item elsewhere would fail the same way.
+                failure = RolloutFailure(
+                    kind="inference_error", message=f"cannot load the job's model: {e}"
+                )
+                return self._failed(rollout, failure, started)
+            await self.weights.catch_up(work.job_id, work.org_id)
+            self.registry.add(rollout)
             failure = await self._run_on_gateway(rollout)
             if failure is None and rollout.outcome is not None:
                 return await self._trajectory(rollout, started)
             return self._failed(
                 rollout, failure or RolloutFailure(kind="internal", message="no outcome"), started
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception(
+                "rollout %s of job %s failed inside the generator", rollout.rollout_id, work.job_id
+            )
+            return self._failed(
+                rollout,
+                RolloutFailure(kind="internal", message=f"{type(e).__name__}: {e}"),
+                started,
             )
         finally:
             self.registry.remove(rollout.rollout_id)

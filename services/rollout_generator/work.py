@@ -115,6 +115,13 @@ class WorkConsumer:
                     task.add_done_callback(self._tasks.discard)
             await self._commit()
 
+    @property
+    def partitions(self) -> list[int]:
+        """The work partitions this generator holds now."""
+        if self._consumer is None:
+            return []
+        return sorted(tp.partition for tp in self._consumer.assignment())
+
     async def _process(self, partition: TopicPartition, record) -> None:
         try:
             work = await self.bus.accept(record, RolloutWork, group_id=self.group_id)

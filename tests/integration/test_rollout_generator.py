@@ -45,6 +45,34 @@ def tiny_model(tmp_path_factory) -> Path:
     return init_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
 
 
+@pytest.fixture(autouse=True)
+def stop_generators_after_each_test(request):
+    """A generator left running would consume the next test's work in its own group."""
+    yield
+    if "stack" in request.fixturenames:
+        stack = request.getfixturevalue("stack")
+        while stack.processes:
+            stack.processes.pop().stop()
+
+
+async def generator_status(process) -> dict:
+    async with httpx.AsyncClient() as http:
+        return (await http.get(f"{process.url}/v1/generator")).json()
+
+
+async def until(predicate, within_s: float = 60.0) -> None:
+    async with asyncio.timeout(within_s):
+        while not await predicate():  # noqa: ASYNC110 -- polling another process
+            await asyncio.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def work_group() -> str:
+    """One consumer group for the module, as on a real node: a new group would start from
+    the earliest offset and redo every earlier test's work."""
+    return unique_id("gen")
+
+
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
     stack = start_stack(tmp_path_factory.mktemp("generator-stack"))
@@ -110,10 +138,10 @@ async def collect(
 
 
 async def test_work_in_trajectories_out_with_reproducible_logprobs(
-    stack, tiny_model, kafka_broker, make_bus
+    stack, tiny_model, kafka_broker, make_bus, work_group
 ) -> None:
     generator = stack.generator(
-        "solo", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=unique_id("gen")
+        "solo", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=work_group
     )
     generator.wait_healthy()
     job_id = unique_id("job")
@@ -143,10 +171,10 @@ async def test_work_in_trajectories_out_with_reproducible_logprobs(
 
 
 async def test_multi_turn_episode_is_one_trajectory_with_every_turn(
-    stack, tiny_model, kafka_broker, make_bus
+    stack, tiny_model, kafka_broker, make_bus, work_group
 ) -> None:
     generator = stack.generator(
-        "multi", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=unique_id("gen")
+        "multi", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=work_group
     )
     generator.wait_healthy()
     job_id = unique_id("job")
@@ -181,10 +209,10 @@ def _perturbed_weights(model: Path, out: Path, scale: float) -> tuple[Path, str]
 
 
 async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
-    stack, tiny_model, kafka_broker, make_bus, tmp_path
+    stack, tiny_model, kafka_broker, make_bus, work_group, tmp_path
 ) -> None:
     generator = stack.generator(
-        "weights", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=unique_id("gen")
+        "weights", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=work_group
     )
     generator.wait_healthy()
     job_id = unique_id("job")
@@ -239,9 +267,9 @@ async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
 
 
 async def test_two_generators_share_work_and_a_killed_one_loses_none(
-    stack, tiny_model, kafka_broker, make_bus
+    stack, tiny_model, kafka_broker, make_bus, work_group
 ) -> None:
-    group = unique_id("gen")
+    group = work_group
     a = stack.generator(
         "a", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=group, GENERATOR_CONCURRENCY="2"
     )
@@ -250,14 +278,24 @@ async def test_two_generators_share_work_and_a_killed_one_loses_none(
     )
     a.wait_healthy()
     b.wait_healthy()
-    await asyncio.sleep(8)  # both in the group, partitions split between them
+
+    async def split() -> bool:  # both in the group, the partitions shared between them
+        held = [(await generator_status(g))["partitions"] for g in (a, b)]
+        return all(held) and sorted(held[0] + held[1]) == [0, 1, 2]
+
+    await until(split)
     job_ids = [unique_id("job") for _ in range(6)]  # several keys, so every partition gets work
     items = [w for job in job_ids for w in work_items(stack, tiny_model, job, 8)]
     producer = make_bus("learner-test")
     await producer.start()
     for item in items:
         await producer.publish(item)
-    await asyncio.sleep(1.5)
+
+    async def b_is_mid_run() -> bool:
+        status = await generator_status(b)
+        return status["trajectories_published"] >= 1 and status["rollouts_in_flight"] >= 1
+
+    await until(b_is_mid_run)
     os.kill(b.proc.pid, signal.SIGKILL)  # mid-run: whatever b had in flight was not committed
 
     collector = make_bus("test-collector")
@@ -335,14 +373,14 @@ def openai_task_app(key: str) -> FastAPI:
 
 
 async def test_the_official_openai_client_works_against_rollout_endpoints(
-    stack, tiny_model, kafka_broker, make_bus
+    stack, tiny_model, kafka_broker, make_bus, work_group
 ) -> None:
     with ThreadedServer(openai_task_app(stack.key)) as task_app:
         name = unique_id("openai")
         with GatewayClient(stack.gateway.url, stack.org_token) as gateway:
             gateway.register(name, url=task_app.url)
         generator = stack.generator(
-            "openai", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=unique_id("gen")
+            "openai", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=work_group
         )
         generator.wait_healthy()
         job_id = unique_id("job")
@@ -361,20 +399,38 @@ async def test_the_official_openai_client_works_against_rollout_endpoints(
 
 
 async def test_a_failed_rollout_is_published_as_failed_not_dropped(
-    stack, tiny_model, kafka_broker, make_bus
+    stack, tiny_model, kafka_broker, make_bus, work_group
 ) -> None:
     generator = stack.generator(
-        "failing", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=unique_id("gen")
+        "failing", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=work_group
     )
     generator.wait_healthy()
     job_id = unique_id("job")
-    (item,) = work_items(stack, tiny_model, job_id, 1, task_app="not-registered")
+    unknown_app, bad_model, fine = work_items(stack, tiny_model, job_id, 3)
+    unknown_app = unknown_app.model_copy(update={"task_app": TaskAppSpec(name="not-registered")})
+    other_job = unique_id("job")  # a job's model is fixed: the broken one is another job
+    bad_model = bad_model.model_copy(
+        update={
+            "job_id": other_job,
+            "model": ModelSpec(source=str(tiny_model.parent / "no-such-model")),
+        }
+    )
     producer = make_bus("learner-test")
     await producer.start()
-    await producer.publish(item)
-    (trajectory,) = await collect(make_bus, job_id, 1)
-    assert trajectory.status == "failed" and trajectory.failure.kind == "task_app_unreachable"
-    assert "no Task App named 'not-registered'" in trajectory.failure.message
+    for item in (unknown_app, bad_model, fine):
+        await producer.publish(item)
+    trajectories = {t.work_id: t for t in await collect(make_bus, job_id, 2)}
+    trajectories |= {t.work_id: t for t in await collect(make_bus, other_job, 1)}
+    failed = trajectories[unknown_app.id]
+    assert failed.status == "failed" and failed.failure.kind == "task_app_unreachable"
+    assert "no Task App named 'not-registered'" in failed.failure.message
+    unloadable = trajectories[bad_model.id]
+    assert unloadable.status == "failed" and unloadable.failure.kind == "inference_error"
+    assert "cannot load the job's model" in unloadable.failure.message
+    # Failures are answers: the work after them is done and the partition moves on.
+    assert trajectories[fine.id].status == "ok"
+    status = await generator_status(generator)
+    assert status["rollouts_in_flight"] == 0
     assert generator.stop() == 0
 
 
@@ -417,9 +473,9 @@ def slow_task_app(key: str, delay_s: float) -> FastAPI:
 
 
 async def test_sigterm_mid_run_exits_cleanly_and_leaves_unfinished_work_to_others(
-    stack, tiny_model, kafka_broker, make_bus
+    stack, tiny_model, kafka_broker, make_bus, work_group
 ) -> None:
-    group = unique_id("gen")
+    group = work_group
     with ThreadedServer(slow_task_app(stack.key, 1.5)) as task_app:
         name = unique_id("slow")
         with GatewayClient(stack.gateway.url, stack.org_token) as gateway:
@@ -438,13 +494,13 @@ async def test_sigterm_mid_run_exits_cleanly_and_leaves_unfinished_work_to_other
         await producer.start()
         for item in items:
             await producer.publish(item)
+
         # Stop it once some rollouts are done while others are still in flight.
-        async with asyncio.timeout(60), httpx.AsyncClient() as http:
-            while True:
-                status = (await http.get(f"{first.url}/v1/generator")).json()
-                if status["trajectories_published"] >= 1 and status["rollouts_in_flight"] >= 1:
-                    break
-                await asyncio.sleep(0.05)
+        async def mid_run() -> bool:
+            status = await generator_status(first)
+            return status["trajectories_published"] >= 1 and status["rollouts_in_flight"] >= 1
+
+        await until(mid_run)
         assert first.stop() == 0
         second = stack.generator(
             "finisher",

@@ -29,9 +29,13 @@ def _prompt(engine, text: str = "Copy: abca") -> list[int]:
 
 def test_tiny_model_is_deterministic_and_loadable(tmp_path, model_dir) -> None:
     again = init_tiny_model(tmp_path / "again", seed=0)
-    assert (again / "model.safetensors").read_bytes() == (model_dir / "model.safetensors").read_bytes()
+    assert (again / "model.safetensors").read_bytes() == (
+        model_dir / "model.safetensors"
+    ).read_bytes()
     other = init_tiny_model(tmp_path / "other", seed=1)
-    assert (other / "model.safetensors").read_bytes() != (model_dir / "model.safetensors").read_bytes()
+    assert (other / "model.safetensors").read_bytes() != (
+        model_dir / "model.safetensors"
+    ).read_bytes()
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -40,7 +44,9 @@ def test_tiny_model_is_deterministic_and_loadable(tmp_path, model_dir) -> None:
 
 async def test_concurrent_requests_are_batched_and_logprobs_reproduce(engine) -> None:
     prompts = [_prompt(engine, f"Copy: {'ab' * (i % 3 + 1)}") for i in range(12)]
-    results = await asyncio.gather(*(engine.generate(GenerationRequest(p, max_tokens=6)) for p in prompts))
+    results = await asyncio.gather(
+        *(engine.generate(GenerationRequest(p, max_tokens=6)) for p in prompts)
+    )
     assert engine.batches < len(prompts)  # coalesced, not one by one
     for prompt, result in zip(prompts, results, strict=True):
         assert len(result.completion_ids) == len(result.logprobs) <= 6
@@ -50,7 +56,9 @@ async def test_concurrent_requests_are_batched_and_logprobs_reproduce(engine) ->
 
 async def test_batching_off_serves_one_by_one(model_dir) -> None:
     engine = TorchEngine(model_dir, max_batch_size=1)
-    await asyncio.gather(*(engine.generate(GenerationRequest(_prompt(engine), max_tokens=2)) for _ in range(4)))
+    await asyncio.gather(
+        *(engine.generate(GenerationRequest(_prompt(engine), max_tokens=2)) for _ in range(4))
+    )
     assert engine.batches == 4
 
 
@@ -73,7 +81,9 @@ async def test_temperature_scales_the_logprobs(engine) -> None:
 async def test_top_p_keeps_sampling_inside_the_nucleus(engine) -> None:
     prompt = _prompt(engine)
     with torch.inference_mode():
-        probs = torch.softmax(engine.model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), -1)
+        probs = torch.softmax(
+            engine.model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), -1
+        )
     ordered = probs.sort(descending=True)
     cumulative = ordered.values.cumsum(0)
     nucleus = set(ordered.indices[: int((cumulative < 0.2).sum()) + 1].tolist())
@@ -89,12 +99,16 @@ async def test_stop_tokens_and_strings(engine) -> None:
     prompt = _prompt(engine)
     first = await engine.generate(GenerationRequest(prompt, max_tokens=1, temperature=0))
     stopped = await engine.generate(
-        GenerationRequest(prompt, max_tokens=5, temperature=0, stop_token_ids=[first.completion_ids[0]])
+        GenerationRequest(
+            prompt, max_tokens=5, temperature=0, stop_token_ids=[first.completion_ids[0]]
+        )
     )
     assert stopped.completion_ids == first.completion_ids and stopped.finish_reason == "stop"
     text = engine.tokenizer.decode(first.completion_ids, skip_special_tokens=True)
     if text:
-        by_string = await engine.generate(GenerationRequest(prompt, max_tokens=5, temperature=0, stop=[text]))
+        by_string = await engine.generate(
+            GenerationRequest(prompt, max_tokens=5, temperature=0, stop=[text])
+        )
         assert by_string.finish_reason == "stop" and len(by_string.completion_ids) == 1
 
 
@@ -140,7 +154,9 @@ def test_a_missing_model_is_a_clear_error(tmp_path) -> None:
 async def test_cuda_generation_matches_a_cuda_forward_pass(model_dir) -> None:
     engine = TorchEngine(model_dir, device="cuda", dtype="float32")
     prompt = _prompt(engine)
-    results = await asyncio.gather(*(engine.generate(GenerationRequest(prompt, max_tokens=8)) for _ in range(8)))
+    results = await asyncio.gather(
+        *(engine.generate(GenerationRequest(prompt, max_tokens=8)) for _ in range(8))
+    )
     for r in results:
         scored = engine.score_sync([prompt + r.completion_ids])[0][len(prompt) - 1 :]
         assert scored == pytest.approx(r.logprobs, abs=1e-4)
