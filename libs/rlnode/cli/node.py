@@ -36,6 +36,9 @@ def _broker_for_node(data_dir: Path) -> Iterator[tuple[str, str]]:
 
 def _broker(args: argparse.Namespace) -> int:
     node = NodeSettings()
+    # Before anything is printed: whoever reads our output may signal us as soon as it can.
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
     broker = LocalBroker(port=args.port, log_path=node.data_dir / "logs" / "broker.log").start()
     try:
         created = asyncio.run(
@@ -44,9 +47,7 @@ def _broker(args: argparse.Namespace) -> int:
         print(f"broker ready on {broker.bootstrap_servers} (memory storage; log {broker.log_path})")
         print(f"created topics: {', '.join(created) or 'none (they existed)'}")
         print(f"use it with:  export KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
-        print("Ctrl-C stops it (everything it held is gone).")
-        stop = {"flag": False}
-        signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+        print("Ctrl-C stops it (everything it held is gone).", flush=True)
         while broker.running and not stop["flag"]:
             time.sleep(0.5)
         if not broker.running:
