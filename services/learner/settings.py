@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.settings import ServiceSettings
+from rlnode.topics import LEARNER_GROUP
 
 SERVICE_NAME = "learner"
 
@@ -14,3 +15,19 @@ class LearnerSettings(ServiceSettings):
     model_config = SettingsConfigDict(env_prefix="LEARNER_", extra="ignore")
 
     port: int = Field(8740, ge=0, le=65535)
+    vault_url: str = "http://127.0.0.1:8710"
+    gateway_url: str = "http://127.0.0.1:8720"
+    # A node-wide service token with taskapps:read and secrets:read: to check a job's Task
+    # App and secret before accepting it.
+    service_token: SecretStr | None = None
+
+    device: str = "cpu"
+    visible_gpus: int = Field(
+        0, ge=0, description="GPUs this node has (the plan checks requests against it)."
+    )
+    max_running_jobs: int = Field(1, ge=1, description="Jobs trained at once; more are queued.")
+    group_id: str = LEARNER_GROUP
+    trajectory_group_id: str = "learner-trajectories"
+    step_timeout_s: float = Field(
+        1800.0, gt=0, description="Longest wait for one step's trajectories."
+    )

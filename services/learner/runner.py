@@ -1,0 +1,325 @@
+"""One job's training loop: issue rollout work at most `max_async` policy versions ahead,
+gather each step's trajectories (deduplicated by work id), take a GRPO step, publish
+weights and checkpoints, and report every step on the job-events topic."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import statistics
+import time
+import uuid
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+
+from rlnode.bus import Bus
+from rlnode.messages import (
+    JobConfig,
+    JobEvent,
+    JobEventType,
+    ParityProbe,
+    RolloutWork,
+    Trajectory,
+    WeightVersion,
+)
+from rlnode.training.grpo import group_advantages, samples_from
+from rlnode.training.trainer import Trainer, TrainerConfig
+
+log = logging.getLogger("learner.runner")
+WORK_NAMESPACE = uuid.UUID("5f0c1c2e-7d0b-4a3e-9a55-2b8f3c1e9d10")
+
+
+class JobCancelled(Exception):
+    pass
+
+
+class JobFailed(Exception):
+    pass
+
+
+def work_id(job_id: str, step: int, prompt: int, sample: int) -> uuid.UUID:
+    """Deterministic, so that work re-issued after a restart is recognised as the same."""
+    return uuid.uuid5(WORK_NAMESPACE, f"{job_id}/{step}/{prompt}/{sample}")
+
+
+class JobRunner:
+    def __init__(
+        self,
+        job_id: str,
+        org_id: str,
+        config: JobConfig,
+        bus: Bus,
+        checkpoint_root: Path,
+        device: str,
+        step_timeout_s: float,
+        on_progress: Callable[[int], None] = lambda _step: None,
+    ) -> None:
+        self.job_id, self.org_id, self.config = job_id, org_id, config
+        self.bus = bus
+        self.root = checkpoint_root / job_id
+        self.device = device
+        self.step_timeout_s = step_timeout_s
+        self.on_progress = on_progress
+        t = config.training
+        self.per_step = t.prompts_per_step * t.group_size
+        self.buffer: dict[int, dict[uuid.UUID, Trajectory]] = defaultdict(dict)
+        self.arrived = asyncio.Event()
+        self.trained: set[str] = set()  # work ids trained on
+        self.step = 0  # optimizer steps done
+        self.issued = -1  # highest step whose work was published
+        self.checkpointed_step = -1  # steps < this + 1 are settled
+        self.cancelled = asyncio.Event()
+        self.trainer: Trainer | None = None
+
+    @property
+    def version(self) -> int:
+        return self.step // self.config.training.weight_sync_every
+
+    # -- trajectories in ------------------------------------------------------------------
+
+    def offer(self, trajectory: Trajectory) -> None:
+        """A trajectory of this job arrived (possibly again)."""
+        if trajectory.step < self.step or str(trajectory.work_id) in self.trained:
+            return  # already trained on this step
+        self.buffer[trajectory.step].setdefault(trajectory.work_id, trajectory)
+        self.arrived.set()
+
+    def settled(self, trajectory_step: int) -> bool:
+        """Whether a trajectory of this step is covered by a durable checkpoint."""
+        return trajectory_step <= self.checkpointed_step
+
+    # -- the loop ---------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        t = self.config.training
+        self.trainer = await asyncio.to_thread(
+            Trainer,
+            self.config.model.source,
+            TrainerConfig(
+                learning_rate=t.learning_rate,
+                weight_decay=t.weight_decay,
+                max_grad_norm=t.max_grad_norm,
+                clip_eps=t.clip_eps,
+                kl_coef=t.kl_coef,
+                temperature=max(self.config.sampling.temperature, 1e-6),
+                tokens_per_micro_batch=t.tokens_per_micro_batch,
+                seed=t.seed,
+            ),
+            device=self.device,
+            reference_on_trainer=t.kl_coef > 0
+            and self.config.topology.reference in ("trainer", "dedicated"),
+        )
+        resumed = await self._resume()
+        await self._event(
+            JobEventType.STARTED,
+            f"training from step {self.step} of {t.steps}" + (" (resumed)" if resumed else ""),
+        )
+        if resumed and self.version > 0:
+            await self._publish_weights(announce=False)
+        for step in range(self.step, min(self.step + t.max_async, t.steps - 1) + 1):
+            await self._issue(step)
+        while self.step < t.steps:
+            waited_from = time.perf_counter()
+            trajectories = await self._gather(self.step)
+            wait_s = time.perf_counter() - waited_from
+            await self._train(self.step, trajectories, wait_s)
+            if self.step + t.max_async < t.steps:
+                await self._issue(self.step + t.max_async)
+            if self.step % t.weight_sync_every == 0:
+                await self._publish_weights()
+            if self.step % t.checkpoint_every == 0 or self.step == t.steps:
+                await self._checkpoint(final=self.step == t.steps)
+            self.on_progress(self.step)
+
+    async def _issue(self, step: int) -> None:
+        if step <= self.issued:
+            return
+        t, seeds = self.config.training, self.config.seeds
+        for prompt in range(t.prompts_per_step):
+            index = step * t.prompts_per_step + prompt
+            seed = seeds.start + (index % seeds.count if seeds.count else index)
+            for sample in range(t.group_size):
+                await self.bus.publish(
+                    RolloutWork(
+                        id=work_id(self.job_id, step, prompt, sample),
+                        job_id=self.job_id,
+                        org_id=self.org_id,
+                        step=step,
+                        policy_version=self.version,
+                        group_id=f"{step}/{prompt}",
+                        seed=seed,
+                        sample_index=sample,
+                        group_size=t.group_size,
+                        model=self.config.model,
+                        task_app=self.config.task_app,
+                        sampling=self.config.sampling,
+                    )
+                )
+        self.issued = step
+
+    async def _gather(self, step: int) -> list[Trajectory]:
+        deadline = time.monotonic() + self.step_timeout_s
+        while len(self.buffer[step]) < self.per_step:
+            if self.cancelled.is_set():
+                raise JobCancelled
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise JobFailed(
+                    f"step {step} got {len(self.buffer[step])} of {self.per_step} trajectories in "
+                    f"{self.step_timeout_s:g}s: are rollout-generators running and healthy?"
+                )
+            self.arrived.clear()
+            cancel = asyncio.ensure_future(self.cancelled.wait())
+            arrive = asyncio.ensure_future(self.arrived.wait())
+            await asyncio.wait(
+                {cancel, arrive}, timeout=min(remaining, 5.0), return_when=asyncio.FIRST_COMPLETED
+            )
+            cancel.cancel()
+            arrive.cancel()
+        return list(self.buffer.pop(step).values())
+
+    async def _train(self, step: int, trajectories: list[Trajectory], wait_s: float) -> None:
+        assert self.trainer is not None
+        ok = [t for t in trajectories if t.status == "ok"]
+        rewards = [t.reward for t in ok]
+        await self._event(
+            JobEventType.ROLLOUT_BATCH,
+            f"step {step}: {len(ok)} of {len(trajectories)} rollouts ok",
+            {
+                "step": step,
+                "count": len(trajectories),
+                "failed": len(trajectories) - len(ok),
+                "reward_mean": statistics.fmean(rewards) if rewards else None,
+                "reward_std": statistics.pstdev(rewards) if rewards else None,
+                "failures": sorted({t.failure.kind for t in trajectories if t.failure}),
+            },
+        )
+        advantages = group_advantages(ok)
+        samples = [s for s in samples_from(ok, advantages) if s.advantage != 0.0]
+        staleness = [self.version - s.policy_version for s in samples_from(ok, advantages)]
+        started = time.perf_counter()
+        if samples:
+            metrics = await asyncio.to_thread(self.trainer.step, samples)
+            loss, kl, clip, tokens = metrics.loss, metrics.kl, metrics.clip_fraction, metrics.tokens
+        else:  # every group tied: nothing to learn from this batch, but the step counts
+            loss, kl, clip, tokens = 0.0, None, 0.0, 0
+        compute_s = time.perf_counter() - started
+        self.trained.update(str(t.work_id) for t in trajectories)
+        self.step = step + 1
+        t = self.config.training
+        await self._event(
+            JobEventType.TRAIN_STEP,
+            f"step {self.step}/{t.steps}: reward {statistics.fmean(rewards) if rewards else float('nan'):.3f}, loss {loss:.4f}",
+            {
+                "step": self.step,
+                "total_steps": t.steps,
+                "loss": loss,
+                "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
+                "reward_std": statistics.pstdev(rewards) if rewards else 0.0,
+                "kl": kl,
+                "clip_fraction": clip,
+                "staleness_min": min(staleness, default=0),
+                "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
+                "staleness_max": max(staleness, default=0),
+                "tokens_per_s": tokens / compute_s if compute_s > 0 else 0.0,
+                "wait_s": wait_s,
+                "compute_s": compute_s,
+                "trained_samples": len(samples),
+                "failed_rollouts": len(trajectories) - len(ok),
+            },
+        )
+
+    # -- weights and checkpoints ------------------------------------------------------------
+
+    def _weights_path(self, version: int) -> Path:
+        return self.root / "weights" / f"v{version:06d}.safetensors"
+
+    async def _publish_weights(self, announce: bool = True) -> None:
+        assert self.trainer is not None
+        version = self.version
+        path = self._weights_path(version)
+        digest, size = await asyncio.to_thread(self.trainer.save_weights, path)
+        probe_ids = self._probe_ids()
+        probe = ParityProbe(
+            token_ids=probe_ids, logprobs=await asyncio.to_thread(self.trainer.score, probe_ids)
+        )
+        await self.bus.publish(
+            WeightVersion(
+                job_id=self.job_id,
+                org_id=self.org_id,
+                version=version,
+                step=self.step,
+                uri=path.as_uri(),
+                sha256=digest,
+                size_bytes=size,
+                dtype="float32",
+                probe=probe,
+            )
+        )
+        if announce:
+            await self._event(
+                JobEventType.WEIGHTS_PUBLISHED,
+                f"weights v{version} after step {self.step}",
+                {"version": version, "step": self.step, "uri": path.as_uri(), "sha256": digest},
+            )
+
+    def _probe_ids(self) -> list[int]:
+        tokenizer = self.trainer.tokenizer
+        ids = tokenizer("The parity probe: 0123456789 abcdefghij")["input_ids"]
+        return list(ids[:32]) if len(ids) >= 2 else [0, 1]
+
+    async def _checkpoint(self, final: bool) -> None:
+        assert self.trainer is not None
+        path = self.root / "checkpoints" / f"step-{self.step:06d}"
+        state = {
+            "job_id": self.job_id,
+            "step": self.step,
+            "version": self.version,
+            "sampler_position": self.step * self.config.training.prompts_per_step,
+            "trained_work_ids": sorted(self.trained),
+            "final": final,
+        }
+        await asyncio.to_thread(self.trainer.save_checkpoint, path, state)
+        self.checkpointed_step = self.step - 1
+        await self._event(
+            JobEventType.CHECKPOINT_SAVED,
+            f"checkpoint at step {self.step}",
+            {"step": self.step, "uri": path.as_uri(), "final": final},
+        )
+
+    async def _resume(self) -> bool:
+        checkpoints = (
+            sorted((self.root / "checkpoints").glob("step-*"))
+            if (self.root / "checkpoints").exists()
+            else []
+        )
+        if not checkpoints:
+            return False
+        assert self.trainer is not None
+        state = await asyncio.to_thread(self.trainer.load_checkpoint, checkpoints[-1])
+        self.step = state["step"]
+        self.trained = set(state["trained_work_ids"])
+        self.checkpointed_step = self.step - 1
+        for step in list(self.buffer):
+            if step < self.step:
+                del self.buffer[step]
+        log.info("job %s resumes from %s (step %d)", self.job_id, checkpoints[-1].name, self.step)
+        return True
+
+    async def _event(self, kind: JobEventType, message: str, data: dict | None = None) -> None:
+        await self.bus.publish(
+            JobEvent(
+                job_id=self.job_id,
+                org_id=self.org_id,
+                type=kind,
+                source="learner",
+                message=message,
+                data=data or {},
+            )
+        )
+
+
+def config_json(config: JobConfig) -> str:
+    return json.dumps(config.model_dump(mode="json"))
