@@ -72,10 +72,10 @@ class JobRunner:
         self.checkpointed_step = -1  # steps < this + 1 are settled
         self.cancelled = asyncio.Event()
         self.trainer: Trainer | None = None
-
-    @property
-    def version(self) -> int:
-        return self.step // self.config.training.weight_sync_every
+        # The newest weight version published. Monotonic across restarts (a resumed learner
+        # publishes its checkpoint's weights under a new number), so generators that loaded
+        # weights from after the checkpoint roll back to it.
+        self.version = 0
 
     # -- trajectories in ------------------------------------------------------------------
 
@@ -116,8 +116,9 @@ class JobRunner:
             JobEventType.STARTED,
             f"training from step {self.step} of {t.steps}" + (" (resumed)" if resumed else ""),
         )
-        if resumed and self.version > 0:
-            await self._publish_weights(announce=False)
+        if resumed:
+            self.version = max([self.version, *self._published_versions()])
+            await self._publish_weights()
         for step in range(self.step, min(self.step + t.max_async, t.steps - 1) + 1):
             await self._issue(step)
         while self.step < t.steps:
@@ -236,9 +237,15 @@ class JobRunner:
     def _weights_path(self, version: int) -> Path:
         return self.root / "weights" / f"v{version:06d}.safetensors"
 
-    async def _publish_weights(self, announce: bool = True) -> None:
+    def _published_versions(self) -> list[int]:
+        directory = self.root / "weights"
+        if not directory.exists():
+            return []
+        return [int(p.stem.removeprefix("v")) for p in directory.glob("v*.safetensors")]
+
+    async def _publish_weights(self) -> None:
         assert self.trainer is not None
-        version = self.version
+        version = self.version + 1
         path = self._weights_path(version)
         digest, size = await asyncio.to_thread(self.trainer.save_weights, path)
         probe_ids = self._probe_ids()
@@ -258,12 +265,12 @@ class JobRunner:
                 probe=probe,
             )
         )
-        if announce:
-            await self._event(
-                JobEventType.WEIGHTS_PUBLISHED,
-                f"weights v{version} after step {self.step}",
-                {"version": version, "step": self.step, "uri": path.as_uri(), "sha256": digest},
-            )
+        self.version = version
+        await self._event(
+            JobEventType.WEIGHTS_PUBLISHED,
+            f"weights v{version} after step {self.step}",
+            {"version": version, "step": self.step, "uri": path.as_uri(), "sha256": digest},
+        )
 
     def _probe_ids(self) -> list[int]:
         tokenizer = self.trainer.tokenizer
@@ -300,6 +307,7 @@ class JobRunner:
         assert self.trainer is not None
         state = await asyncio.to_thread(self.trainer.load_checkpoint, checkpoints[-1])
         self.step = state["step"]
+        self.version = state["version"]
         self.trained = set(state["trained_work_ids"])
         self.checkpointed_step = self.step - 1
         for step in list(self.buffer):

@@ -145,6 +145,9 @@ class RolloutRunner:
                 )
                 return self._failed(rollout, failure, started)
             await self.weights.catch_up(work.job_id, work.org_id)
+            await self.weights.wait_for(
+                work.job_id, work.policy_version, self.settings.weights_wait_s
+            )
             self.registry.add(rollout)
             failure = await self._run_on_gateway(rollout)
             if failure is None and rollout.outcome is not None:

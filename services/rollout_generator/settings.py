@@ -31,6 +31,9 @@ class GeneratorSettings(ServiceSettings):
     max_wait_ms: float = Field(5.0, ge=0, le=1000)
     # With the reference model stacked on inference (GPU plan), add its logprobs to trajectories.
     reference_on_inference: bool = False
+    weights_wait_s: float = Field(
+        60.0, ge=0, description="How long work waits for the weights it was issued at."
+    )
     probe_tolerance: float = Field(
         1e-3, gt=0, description="Max |logprob diff| of the parity probe."
     )

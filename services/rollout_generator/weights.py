@@ -3,6 +3,7 @@ parity, and say so on the job-events topic (`weights.loaded` or `weights.refused
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from rlnode.bus import Bus, Delivery
@@ -18,6 +19,25 @@ class WeightSync:
         self.settings = settings
         self.pool = pool
         self.bus = bus
+        self._changed = asyncio.Condition()
+
+    async def wait_for(self, job_id: str, version: int, timeout_s: float) -> None:
+        """Until the job's engine runs `version` or newer: work issued at version v must not be
+        sampled from an older policy, or staleness would exceed the learner's max_async."""
+        engines = self.pool.jobs.get(job_id)
+        if engines is None or engines.loaded_version >= version:
+            return
+        try:
+            async with asyncio.timeout(timeout_s), self._changed:
+                await self._changed.wait_for(lambda: engines.loaded_version >= version)
+        except TimeoutError:
+            log.warning(
+                "job %s: weights v%d did not arrive within %.0fs; sampling with v%d",
+                job_id,
+                version,
+                timeout_s,
+                engines.loaded_version,
+            )
 
     async def on_weight_version(self, version: WeightVersion, _delivery: Delivery) -> None:
         latest = self.pool.latest.get(version.job_id)
@@ -55,6 +75,8 @@ class WeightSync:
                 )
             )
             return
+        async with self._changed:
+            self._changed.notify_all()
         if seconds == 0.0 and diff == 0.0:
             return  # someone else loaded it meanwhile
         ok = diff <= self.settings.probe_tolerance
