@@ -126,10 +126,12 @@ class JobRunner:
             trajectories = await self._gather(self.step)
             wait_s = time.perf_counter() - waited_from
             await self._train(self.step, trajectories, wait_s)
-            if self.step + t.max_async < t.steps:
-                await self._issue(self.step + t.max_async)
             if self.step % t.weight_sync_every == 0:
                 await self._publish_weights()
+            # After publishing: the new work is tagged with the version it may be sampled
+            # from at the earliest, which bounds its staleness by max_async.
+            if self.step + t.max_async < t.steps:
+                await self._issue(self.step + t.max_async)
             if self.step % t.checkpoint_every == 0 or self.step == t.steps:
                 await self._checkpoint(final=self.step == t.steps)
             self.on_progress(self.step)

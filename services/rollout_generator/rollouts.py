@@ -246,28 +246,24 @@ class RolloutRunner:
                 t.model_copy(update={"ref_logprobs": s[len(t.prompt_ids) - 1 :]})
                 for t, s in zip(turns, scores, strict=True)
             ]
-        work = rollout.work
-        return Trajectory(
-            job_id=work.job_id,
-            org_id=work.org_id,
-            work_id=work.id,
-            rollout_id=rollout.rollout_id,
-            generator=self.settings.generator_id,
-            step=work.step,
-            group_id=work.group_id,
-            seed=work.seed,
-            sample_index=work.sample_index,
+        return self._trajectory_of(
+            rollout,
+            started,
             status="ok",
             turns=turns,
             reward=result["reward"],
             step_rewards=result["step_rewards"],
             metrics=result.get("metrics", {}),
-            duration_s=time.monotonic() - started,
         )
 
     def _failed(
         self, rollout: ActiveRollout, failure: RolloutFailure, started: float
     ) -> Trajectory:
+        return self._trajectory_of(
+            rollout, started, status="failed", turns=rollout.turns, failure=failure
+        )
+
+    def _trajectory_of(self, rollout: ActiveRollout, started: float, **outcome) -> Trajectory:
         work = rollout.work
         return Trajectory(
             job_id=work.job_id,
@@ -279,10 +275,8 @@ class RolloutRunner:
             group_id=work.group_id,
             seed=work.seed,
             sample_index=work.sample_index,
-            status="failed",
-            turns=rollout.turns,
-            failure=failure,
             duration_s=time.monotonic() - started,
+            **outcome,
         )
 
 

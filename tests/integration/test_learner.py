@@ -47,6 +47,22 @@ def node(tmp_path_factory, kafka_broker):
     stack.stop()
 
 
+@pytest.fixture(scope="module")
+def learner_group() -> str:
+    """One group and one database for the module, as on a real node: a learner in a new
+    group would read every earlier job request again and start those jobs a second time."""
+    return unique_id("learner")
+
+
+@pytest.fixture(autouse=True)
+def stop_learners_after_each_test(node):
+    yield
+    stack = node[0]
+    for process in [p for p in stack.processes if p.spec.name == "learner"]:
+        process.stop()
+        stack.processes.remove(process)
+
+
 def start_learner(
     node, kafka_broker, name: str = "learner", group: str | None = None
 ) -> ServiceProcess:
@@ -64,7 +80,7 @@ def start_learner(
             "LEARNER_SERVICE_TOKEN": token,
             "LEARNER_GROUP_ID": group or "learner",
             "LEARNER_TRAJECTORY_GROUP_ID": f"{group or 'learner'}-trajectories",
-            "DATABASE_URL": f"sqlite:///{directory / (name + '.sqlite3')}",
+            "DATABASE_URL": f"sqlite:///{directory / 'learner.sqlite3'}",
             "RLNODE_DATA_DIR": str(directory / "learner-data"),
         },
     ).start()
@@ -117,9 +133,9 @@ async def watch(make_bus, job_id: str, until, within_s: float) -> list[JobEvent]
 
 
 @pytest.mark.timeout(900)
-async def test_a_job_learns_the_copy_task(node, kafka_broker, make_bus) -> None:
+async def test_a_job_learns_the_copy_task(node, kafka_broker, make_bus, learner_group) -> None:
     stack, model, _token, _directory = node
-    learner = start_learner(node, kafka_broker, group=unique_id("learner"))
+    learner = start_learner(node, kafka_broker, group=learner_group)
     job_id = unique_id("job")
     steps = int(os.environ.get("RLNODE_E2E_STEPS", "50"))
     producer = make_bus("user")
@@ -153,12 +169,12 @@ async def test_a_job_learns_the_copy_task(node, kafka_broker, make_bus) -> None:
 
 @pytest.mark.timeout(600)
 async def test_bad_requests_are_rejected_and_the_learner_keeps_serving(
-    node, kafka_broker, make_bus
+    node, kafka_broker, make_bus, learner_group
 ) -> None:
     from aiokafka import AIOKafkaProducer
 
     stack, model, _token, _directory = node
-    start_learner(node, kafka_broker, name="intake", group=unique_id("learner"))
+    start_learner(node, kafka_broker, name="intake", group=learner_group)
     _other_org, other_token = stack.vault.new_org()
     config = copy_config(model, steps=1)
     cases = {
@@ -243,10 +259,10 @@ async def test_bad_requests_are_rejected_and_the_learner_keeps_serving(
 
 @pytest.mark.timeout(900)
 async def test_a_learner_killed_mid_job_resumes_with_nothing_lost_or_trained_twice(
-    node, kafka_broker, make_bus
+    node, kafka_broker, make_bus, learner_group
 ) -> None:
     stack, model, _token, directory = node
-    group = unique_id("learner")
+    group = learner_group
     first = start_learner(node, kafka_broker, name="resume", group=group)
     job_id = unique_id("job")
     steps = 14

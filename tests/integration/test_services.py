@@ -22,7 +22,7 @@ def test_service_starts_answers_health_and_stops_on_sigterm(spec, tmp_path, kafk
     service = ServiceProcess(spec, free_port(), tmp_path / f"{spec.name}.log", env=env).start()
     try:
         health = service.wait_healthy()
-        if spec.name in ("taskapp-gateway", "rollout-generator"):
+        if spec.name in ("taskapp-gateway", "rollout-generator", "learner"):
             # Started without a service token: it serves, and says what it lacks.
             assert health["status"] == "degraded" and health["checks"] == {"service_token": False}
         else:
@@ -51,9 +51,9 @@ def test_a_taken_port_is_a_failure_not_a_hang() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**os.environ, "LEARNER_PORT": str(port)}
+        env = {**os.environ, "CHECKPOINT_SERVER_PORT": str(port)}
         result = subprocess.run(
-            [sys.executable, "-m", "learner"], env=env, capture_output=True, timeout=60
+            [sys.executable, "-m", "checkpoint_server"], env=env, capture_output=True, timeout=60
         )
     assert result.returncode != 0
     assert b"address already in use" in result.stderr.lower()
