@@ -131,6 +131,8 @@ def _ddp_worker(rank: int, world: int, port: int, model_dir: str, out: str) -> N
             torch.save(
                 {k: p.grad.detach().clone() for k, p in trainer.model.named_parameters()}, out
             )
+        # Both ranks done before teardown: gloo aborts a process whose peer vanished first.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
