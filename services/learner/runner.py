@@ -5,7 +5,6 @@ weights and checkpoints, and report every step on the job-events topic."""
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import statistics
 import time
@@ -200,8 +199,9 @@ class JobRunner:
             },
         )
         advantages = group_advantages(ok)
-        samples = [s for s in samples_from(ok, advantages) if s.advantage != 0.0]
-        staleness = [self.version - s.policy_version for s in samples_from(ok, advantages)]
+        every_turn = samples_from(ok, advantages)
+        staleness = [self.version - s.policy_version for s in every_turn]
+        samples = [s for s in every_turn if s.advantage != 0.0]
         started = time.perf_counter()
         if samples:
             metrics = await asyncio.to_thread(self.trainer.step, samples)
@@ -329,7 +329,3 @@ class JobRunner:
                 data=data or {},
             )
         )
-
-
-def config_json(config: JobConfig) -> str:
-    return json.dumps(config.model_dump(mode="json"))

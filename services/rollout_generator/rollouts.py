@@ -144,7 +144,7 @@ class RolloutRunner:
                     kind="inference_error", message=f"cannot load the job's model: {e}"
                 )
                 return self._failed(rollout, failure, started)
-            await self.weights.catch_up(work.job_id, work.org_id)
+            await self.weights.catch_up(work.job_id)
             await self.weights.wait_for(
                 work.job_id, work.policy_version, self.settings.weights_wait_s
             )

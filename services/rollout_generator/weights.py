@@ -48,7 +48,7 @@ class WeightSync:
         ):  # else: loaded when this generator first serves the job
             await self._load(version)
 
-    async def catch_up(self, job_id: str, org_id: str) -> None:
+    async def catch_up(self, job_id: str) -> None:
         """Before a rollout: load the newest version this generator has seen for the job."""
         latest = self.pool.latest.get(job_id)
         engines = self.pool.jobs.get(job_id)
