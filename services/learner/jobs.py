@@ -66,6 +66,8 @@ class JobManager:
         self.runners: dict[str, JobRunner] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         self.ledger = TrajectoryLedger()
+        # A data-parallel job holds the process group (one per process): one job at a time.
+        self.capacity = 1 if len(settings.device_list) > 1 else settings.max_running_jobs
         self._consumer = None
         self._consume_task: asyncio.Task | None = None
         create_tables(engine, *TABLES)
@@ -110,7 +112,8 @@ class JobManager:
                 request.org_id,
                 JobEventType.REJECTED,
                 verdict.reason,
-                {"reason": verdict.reason},
+                # A refused cancel says so: watchers must not take it for the job's verdict.
+                {"reason": verdict.reason, "action": request.action.value},
             )
             return
         if request.action == "cancel":
@@ -144,7 +147,7 @@ class JobManager:
         await self._start_or_queue(record)
 
     async def _start_or_queue(self, record: JobRecord) -> None:
-        if len(self.runners) >= self.settings.max_running_jobs:
+        if len(self.runners) >= self.capacity:
             await self._event(
                 record.job_id,
                 record.org_id,
@@ -159,7 +162,7 @@ class JobManager:
             config,
             self.bus,
             self.settings.node.checkpoint_dir,
-            self.settings.device,
+            self.settings.device_list,
             self.settings.step_timeout_s,
             on_progress=lambda step, job_id=record.job_id: self._set(job_id, step=step),
         )
@@ -179,8 +182,8 @@ class JobManager:
                 job_id,
                 org_id,
                 JobEventType.CANCELLED,
-                "cancelled",
-                {"reason": "cancelled by request", "step": runner.step},
+                f"cancelled at step {runner.step}: {runner.cancel_reason}",
+                {"reason": runner.cancel_reason, "step": runner.step},
             )
         except JobFailed as e:
             self._set(job_id, status="failed", reason=str(e))
@@ -216,7 +219,7 @@ class JobManager:
             queued = s.exec(
                 select(JobRecord).where(JobRecord.status == "queued").order_by(JobRecord.created_at)
             ).first()
-        if queued is not None and len(self.runners) < self.settings.max_running_jobs:
+        if queued is not None and len(self.runners) < self.capacity:
             await self._start_or_queue(queued)
 
     async def _cancel(self, request: JobRequest) -> None:
@@ -225,10 +228,16 @@ class JobManager:
         if record is None or record.org_id != request.org_id:
             reason = f"no job {request.job_id!r} to cancel"
             await self._event(
-                request.job_id, request.org_id, JobEventType.REJECTED, reason, {"reason": reason}
+                request.job_id,
+                request.org_id,
+                JobEventType.REJECTED,
+                reason,
+                {"reason": reason, "action": "cancel"},
             )
         elif request.job_id in self.runners:
-            self.runners[request.job_id].cancelled.set()
+            runner = self.runners[request.job_id]
+            runner.cancel_reason = request.reason or runner.cancel_reason
+            runner.cancelled.set()
         elif record.status == "queued":
             self._set(record.job_id, status="cancelled")
             await self._event(
@@ -237,6 +246,15 @@ class JobManager:
                 JobEventType.CANCELLED,
                 "cancelled before it started",
                 {"reason": request.reason or "cancelled by request"},
+            )
+        else:
+            reason = f"job {request.job_id!r} is {record.status} already; nothing to cancel"
+            await self._event(
+                request.job_id,
+                request.org_id,
+                JobEventType.REJECTED,
+                reason,
+                {"reason": reason, "action": "cancel"},
             )
 
     # -- trajectories ---------------------------------------------------------------------

@@ -23,8 +23,9 @@ from rlnode.messages import (
     Trajectory,
     WeightVersion,
 )
+from rlnode.training.distributed import DataParallelTrainer
 from rlnode.training.grpo import group_advantages, samples_from
-from rlnode.training.trainer import Trainer, TrainerConfig
+from rlnode.training.trainer import TrainerConfig
 
 log = logging.getLogger("learner.runner")
 WORK_NAMESPACE = uuid.UUID("5f0c1c2e-7d0b-4a3e-9a55-2b8f3c1e9d10")
@@ -51,14 +52,14 @@ class JobRunner:
         config: JobConfig,
         bus: Bus,
         checkpoint_root: Path,
-        device: str,
+        devices: list[str],
         step_timeout_s: float,
         on_progress: Callable[[int], None] = lambda _step: None,
     ) -> None:
         self.job_id, self.org_id, self.config = job_id, org_id, config
         self.bus = bus
         self.root = checkpoint_root / job_id
-        self.device = device
+        self.devices = devices
         self.step_timeout_s = step_timeout_s
         self.on_progress = on_progress
         t = config.training
@@ -70,7 +71,8 @@ class JobRunner:
         self.issued = -1  # highest step whose work was published
         self.checkpointed_step = -1  # steps < this + 1 are settled
         self.cancelled = asyncio.Event()
-        self.trainer: Trainer | None = None
+        self.cancel_reason = "cancelled by request"
+        self.trainer: DataParallelTrainer | None = None
         # The newest weight version published. Monotonic across restarts (a resumed learner
         # publishes its checkpoint's weights under a new number), so generators that loaded
         # weights from after the checkpoint roll back to it.
@@ -94,7 +96,7 @@ class JobRunner:
     async def run(self) -> None:
         t = self.config.training
         self.trainer = await asyncio.to_thread(
-            Trainer,
+            DataParallelTrainer,
             self.config.model.source,
             TrainerConfig(
                 learning_rate=t.learning_rate,
@@ -106,10 +108,17 @@ class JobRunner:
                 tokens_per_micro_batch=t.tokens_per_micro_batch,
                 seed=t.seed,
             ),
-            device=self.device,
+            self.devices,
             reference_on_trainer=t.kl_coef > 0
             and self.config.topology.reference in ("trainer", "dedicated"),
         )
+        try:
+            await self._run()
+        finally:
+            await asyncio.to_thread(self.trainer.close)
+
+    async def _run(self) -> None:
+        t = self.config.training
         resumed = await self._resume()
         await self._event(
             JobEventType.STARTED,
@@ -121,8 +130,13 @@ class JobRunner:
         for step in range(self.step, min(self.step + t.max_async, t.steps - 1) + 1):
             await self._issue(step)
         while self.step < t.steps:
+            if self.cancelled.is_set():
+                await self._stop_for_cancel()
             waited_from = time.perf_counter()
-            trajectories = await self._gather(self.step)
+            try:
+                trajectories = await self._gather(self.step)
+            except JobCancelled:
+                await self._stop_for_cancel()
             wait_s = time.perf_counter() - waited_from
             await self._train(self.step, trajectories, wait_s)
             if self.step % t.weight_sync_every == 0:
@@ -134,6 +148,13 @@ class JobRunner:
             if self.step % t.checkpoint_every == 0 or self.step == t.steps:
                 await self._checkpoint(final=self.step == t.steps)
             self.on_progress(self.step)
+
+    async def _stop_for_cancel(self) -> None:
+        """Keep what was learned: a checkpoint of the steps taken (the run can be served or
+        looked at like any other), then stop."""
+        if self.step > 0 and self.checkpointed_step < self.step - 1:
+            await self._checkpoint(final=False)
+        raise JobCancelled
 
     async def _issue(self, step: int) -> None:
         if step <= self.issued:
@@ -203,7 +224,8 @@ class JobRunner:
         staleness = [self.version - s.policy_version for s in every_turn]
         samples = [s for s in every_turn if s.advantage != 0.0]
         started = time.perf_counter()
-        if samples:
+        # Data parallel needs a sample per rank; a batch with fewer to learn from is skipped.
+        if len(samples) >= self.trainer.world:
             metrics = await asyncio.to_thread(self.trainer.step, samples)
             loss, kl, clip, tokens = metrics.loss, metrics.kl, metrics.clip_fraction, metrics.tokens
         else:  # every group tied: nothing to learn from this batch, but the step counts
@@ -230,6 +252,7 @@ class JobRunner:
                 "wait_s": wait_s,
                 "compute_s": compute_s,
                 "trained_samples": len(samples),
+                "world_size": self.trainer.world,
                 "failed_rollouts": len(trajectories) - len(ok),
             },
         )

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+import re
+
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.settings import ServiceSettings
@@ -21,7 +23,13 @@ class LearnerSettings(ServiceSettings):
     # App and secret before accepting it.
     service_token: SecretStr | None = None
 
-    device: str = "cpu"
+    devices: str = Field(
+        "cpu",
+        description=(
+            "Training devices, comma-separated: one is a plain trainer, several are data "
+            "parallel (e.g. 'cuda:0,cuda:1'; 'cpu,cpu' runs 2 gloo ranks on the CPU)."
+        ),
+    )
     visible_gpus: int = Field(
         0, ge=0, description="GPUs this node has (the plan checks requests against it)."
     )
@@ -31,3 +39,20 @@ class LearnerSettings(ServiceSettings):
     step_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for one step's trajectories."
     )
+
+    @field_validator("devices")
+    @classmethod
+    def _known_devices(cls, value: str) -> str:
+        devices = [d.strip() for d in value.split(",") if d.strip()]
+        if not devices:
+            raise ValueError("name at least one training device, e.g. 'cpu' or 'cuda:0'")
+        for d in devices:
+            if d != "cpu" and not re.fullmatch(r"cuda(:\d+)?", d):
+                raise ValueError(f"unknown device {d!r}: use 'cpu' or 'cuda:N'")
+        if len(set(devices)) != len(devices) and any(d != "cpu" for d in devices):
+            raise ValueError(f"a GPU appears twice in {value!r}: each rank needs its own")
+        return ",".join(devices)
+
+    @property
+    def device_list(self) -> list[str]:
+        return self.devices.split(",")

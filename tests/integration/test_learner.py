@@ -64,7 +64,7 @@ def stop_learners_after_each_test(node):
 
 
 def start_learner(
-    node, kafka_broker, name: str = "learner", group: str | None = None
+    node, kafka_broker, name: str = "learner", group: str | None = None, **env: str
 ) -> ServiceProcess:
     stack, _model, token, directory = node
     learner = ServiceProcess(
@@ -82,11 +82,21 @@ def start_learner(
             "LEARNER_TRAJECTORY_GROUP_ID": f"{group or 'learner'}-trajectories",
             "DATABASE_URL": f"sqlite:///{directory / 'learner.sqlite3'}",
             "RLNODE_DATA_DIR": str(directory / "learner-data"),
+            **env,
         },
     ).start()
     stack.processes.append(learner)
     learner.wait_healthy()
     return learner
+
+
+def child_commands(pid: int) -> list[str]:
+    """Command lines of a process's children (from any of its threads), from /proc."""
+    return [
+        Path(f"/proc/{child}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        for task in Path(f"/proc/{pid}/task").iterdir()
+        for child in (task / "children").read_text().split()
+    ]
 
 
 def copy_config(model: Path, steps: int, **training) -> JobConfig:
@@ -111,11 +121,14 @@ def copy_config(model: Path, steps: int, **training) -> JobConfig:
 
 async def watch(make_bus, job_id: str, until, within_s: float) -> list[JobEvent]:
     """The job's events from the start until one of the types in `until` (or, given a
-    function, until it returns true for an event)."""
+    function, until it returns true for an event; given None, all of them within the time)."""
     bus = make_bus("watcher")
     events: list[JobEvent] = []
     done = asyncio.Event()
-    stop = until if callable(until) else (lambda e: e.type in until)
+    if until is None:
+        stop = lambda _e: False  # noqa: E731
+    else:
+        stop = until if callable(until) else (lambda e: e.type in until)
 
     async def on_event(event: JobEvent, _d) -> None:
         if event.job_id == job_id:
@@ -126,7 +139,10 @@ async def watch(make_bus, job_id: str, until, within_s: float) -> list[JobEvent]
     bus.subscribe(topics.JOB_EVENTS, on_event, group_id=None, commit="none")
     await bus.start()
     try:
-        await asyncio.wait_for(done.wait(), within_s)
+        if until is None:
+            await asyncio.sleep(within_s)
+        else:
+            await asyncio.wait_for(done.wait(), within_s)
     finally:
         await bus.stop()
     return events
@@ -137,7 +153,7 @@ async def test_a_job_learns_the_copy_task(node, kafka_broker, make_bus, learner_
     stack, model, _token, _directory = node
     learner = start_learner(node, kafka_broker, group=learner_group)
     job_id = unique_id("job")
-    steps = int(os.environ.get("RLNODE_E2E_STEPS", "50"))
+    steps = int(os.environ.get("RLNODE_E2E_STEPS", "80"))
     producer = make_bus("user")
     await producer.start()
     await producer.publish(
@@ -145,7 +161,7 @@ async def test_a_job_learns_the_copy_task(node, kafka_broker, make_bus, learner_
             job_id=job_id,
             org_id=stack.org_id,
             token=stack.org_token,
-            config=copy_config(model, steps),
+            config=copy_config(model, steps, group_size=16),
         )
     )
     events = await watch(
@@ -159,9 +175,9 @@ async def test_a_job_learns_the_copy_task(node, kafka_broker, make_bus, learner_
     first, last = train[:5], train[-5:]
     mean = lambda xs: sum(d["reward_mean"] for d in xs) / len(xs)  # noqa: E731
     print("rewards", [round(d["reward_mean"], 2) for d in train])
-    # Reward rises. (Issue #6 asks for +0.4; this CPU-sized run reaches about +0.15 in 50
-    # steps; the longer run is RLNODE_E2E_STEPS=150 — see the learner's README.)
-    assert mean(last) >= mean(first) + 0.08
+    print("waited for data (s)", round(sum(d["wait_s"] for d in train), 1))
+    print("computed (s)", round(sum(d["compute_s"] for d in train), 1))
+    assert mean(last) >= mean(first) + 0.4
     assert all(d["staleness_max"] <= 1 for d in train)  # max_async 1
     assert JobEventType.WEIGHTS_LOADED in kinds and JobEventType.CHECKPOINT_SAVED in kinds
     assert learner.stop() == 0
@@ -301,3 +317,107 @@ async def test_a_learner_killed_mid_job_resumes_with_nothing_lost_or_trained_twi
         str(work_id(job_id, s, p, g)) for s in range(steps) for p in range(8) for g in range(8)
     }
     assert set(state["trained_work_ids"]) == expected and state["step"] == steps
+
+
+@pytest.mark.timeout(600)
+async def test_cancel_stops_a_running_job_and_a_queued_one(
+    node, kafka_broker, make_bus, learner_group
+) -> None:
+    stack, model, _token, directory = node
+    start_learner(node, kafka_broker, name="cancel", group=learner_group)
+    running, queued = unique_id("running"), unique_id("queued")
+    producer = make_bus("user")
+    await producer.start()
+    for job_id in (running, queued):  # one job at a time: the second waits in the queue
+        await producer.publish(
+            JobRequest(
+                job_id=job_id,
+                org_id=stack.org_id,
+                token=stack.org_token,
+                config=copy_config(model, steps=500, checkpoint_every=1000),
+            )
+        )
+    events = await watch(make_bus, queued, {JobEventType.QUEUED}, 120)
+    await producer.publish(
+        JobRequest(
+            job_id=queued,
+            org_id=stack.org_id,
+            token=stack.org_token,
+            action="cancel",
+            reason="changed my mind",
+        )
+    )
+    events = await watch(make_bus, queued, {JobEventType.CANCELLED}, 60)
+    assert events[-1].data["reason"] == "changed my mind"
+    await watch(
+        make_bus, running, lambda e: e.type is JobEventType.TRAIN_STEP and e.data["step"] >= 2, 300
+    )
+    # Another org cannot cancel it ...
+    _other_org, other_token = stack.vault.new_org()
+    await producer.publish(
+        JobRequest(job_id=running, org_id=stack.org_id, token=other_token, action="cancel")
+    )
+    # ... its owner can.
+    await producer.publish(
+        JobRequest(job_id=running, org_id=stack.org_id, token=stack.org_token, action="cancel")
+    )
+    events = await watch(make_bus, running, {JobEventType.CANCELLED, JobEventType.FAILED}, 120)
+    kinds = [e.type for e in events]
+    rejected = [e for e in events if e.type is JobEventType.REJECTED]
+    assert rejected and "cannot act on org" in rejected[0].data["reason"]
+    assert kinds[-1] is JobEventType.CANCELLED
+    stopped_at = events[-1].data["step"]
+    assert 2 <= stopped_at < 500
+    # What was learned is kept: a checkpoint at the step it stopped.
+    saved = [e for e in events if e.type is JobEventType.CHECKPOINT_SAVED]
+    assert saved and saved[-1].data["step"] == stopped_at
+    checkpoint = directory / "learner-data" / "checkpoints" / running / "checkpoints"
+    assert (checkpoint / f"step-{stopped_at:06d}" / "model.safetensors").exists()
+    # The learner takes the next job, and nothing more of the cancelled one is trained.
+    follow_up = unique_id("next")
+    await producer.publish(
+        JobRequest(
+            job_id=follow_up,
+            org_id=stack.org_id,
+            token=stack.org_token,
+            config=copy_config(model, steps=2),
+        )
+    )
+    events = await watch(make_bus, follow_up, {JobEventType.COMPLETED, JobEventType.FAILED}, 300)
+    assert JobEventType.COMPLETED in [e.type for e in events], [e.message for e in events]
+    everything = await watch(make_bus, running, None, 5)
+    assert not [
+        e for e in everything if e.type is JobEventType.TRAIN_STEP and e.data["step"] > stopped_at
+    ]
+
+
+@pytest.mark.timeout(600)
+async def test_a_data_parallel_learner_trains_over_two_ranks(
+    node, kafka_broker, make_bus, learner_group
+) -> None:
+    """LEARNER_DEVICES=cpu,cpu: the service is rank 0 and spawns rank 1 (gloo), as it would
+    over two GPUs with NCCL; after the job the rank is gone."""
+    stack, model, _token, _directory = node
+    learner = start_learner(
+        node, kafka_broker, name="ddp", group=learner_group, LEARNER_DEVICES="cpu,cpu"
+    )
+    job_id = unique_id("ddp")
+    producer = make_bus("user")
+    await producer.start()
+    await producer.publish(
+        JobRequest(
+            job_id=job_id,
+            org_id=stack.org_id,
+            token=stack.org_token,
+            config=copy_config(model, steps=4, checkpoint_every=2),
+        )
+    )
+    events = await watch(make_bus, job_id, {JobEventType.COMPLETED, JobEventType.FAILED}, 300)
+    assert JobEventType.COMPLETED in [e.type for e in events], [e.message for e in events[-5:]]
+    train = [e.data for e in events if e.type is JobEventType.TRAIN_STEP]
+    assert [d["step"] for d in train] == [1, 2, 3, 4]
+    assert all(d["world_size"] == 2 for d in train)
+    assert any(d["trained_samples"] > 0 and d["loss"] != 0.0 for d in train)
+    # No child process left but multiprocessing's resource tracker.
+    children = child_commands(learner.proc.pid)
+    assert not [c for c in children if "resource_tracker" not in c], children

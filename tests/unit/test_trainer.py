@@ -14,6 +14,7 @@ import torch.multiprocessing as mp
 
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.engine.torch_engine import TorchEngine
+from rlnode.training.distributed import DataParallelError, DataParallelTrainer
 from rlnode.training.grpo import Sample
 from rlnode.training.trainer import Trainer, TrainerConfig, micro_batches
 
@@ -145,3 +146,40 @@ def test_two_gloo_processes_make_the_same_update_as_one(model_dir, tmp_path) -> 
     parallel = torch.load(out, weights_only=True)  # gradients (see the micro-batching test)
     for name, parameter in single.model.named_parameters():
         assert torch.allclose(parameter.grad, parallel[name], rtol=1e-4, atol=1e-8), name
+
+
+def test_the_data_parallel_trainer_matches_one_process_step_after_step(model_dir) -> None:
+    """This process is rank 0 and a spawned worker is rank 1, as inside the learner."""
+    batch = _samples(Trainer(model_dir, _config()))
+    single = Trainer(model_dir, _config())  # before the process group exists: world 1
+    for _ in range(2):  # a second step catches replicas that drifted apart
+        single.step(batch)
+    parallel = DataParallelTrainer(model_dir, _config(), ["cpu", "cpu"])
+    try:
+        assert parallel.world == 2 and parallel.tokenizer is not None
+        for _ in range(2):
+            assert parallel.step(batch).samples == len(batch)
+        for (name, a), b in zip(
+            single.model.named_parameters(), parallel.model.parameters(), strict=True
+        ):
+            # Adam turns float-order differences in the all-reduced gradients into ~1e-5
+            # differences; each step moves a weight by up to lr = 1e-2.
+            assert torch.allclose(a, b, rtol=0, atol=1e-4), name
+        with pytest.raises(ValueError, match="cannot be split over 2"):
+            parallel.step(batch[:1])
+    finally:
+        parallel.close()
+    assert not dist.is_initialized()
+    assert all(not w.is_alive() for w in parallel._workers)
+
+
+def test_a_dead_rank_is_reported_not_waited_for(model_dir) -> None:
+    parallel = DataParallelTrainer(model_dir, _config(), ["cpu", "cpu"])
+    try:
+        parallel._workers[0].kill()
+        parallel._workers[0].join()
+        with pytest.raises(DataParallelError, match="rank1 exited"):
+            parallel.step(_samples(parallel))
+    finally:
+        parallel.close()
+    assert not dist.is_initialized()

@@ -17,9 +17,11 @@ import os
 import sys
 import time
 from collections.abc import Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
+import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
@@ -135,7 +137,18 @@ Authorized = Annotated[None, Depends(require_api_key)]
 
 
 def create_task_app(definition: TaskAppDefinition) -> FastAPI:
-    app = FastAPI(title=f"Task App: {definition.name}", version=definition.version)
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        # One connection pool for every episode's inference calls (see InferenceClient).
+        async with httpx.AsyncClient(
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        ) as client:
+            app.state.inference_http = client
+            yield
+
+    app = FastAPI(
+        title=f"Task App: {definition.name}", version=definition.version, lifespan=lifespan
+    )
 
     @app.exception_handler(HTTPException)
     async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
@@ -187,7 +200,9 @@ def create_task_app(definition: TaskAppDefinition) -> FastAPI:
         return [task_info(seed, {}).model_dump() for seed in seeds]
 
     @app.post("/rollout")
-    async def rollout(request: RolloutRequest, _: Authorized) -> dict[str, Any]:
+    async def rollout(
+        request: RolloutRequest, http_request: Request, _: Authorized
+    ) -> dict[str, Any]:
         started = time.monotonic()
         policy_config = request.policy.config
         policy = InferenceClient(
@@ -199,6 +214,7 @@ def create_task_app(definition: TaskAppDefinition) -> FastAPI:
                 "top_p": policy_config.top_p,
             },
             timeout_s=request.safety.max_time_s,
+            client=getattr(http_request.app.state, "inference_http", None),  # None: own client
         )
         seed = request.env.seed if request.env.seed is not None else 0
         task = definition.make_task(seed, request.env.config)
