@@ -109,14 +109,13 @@ async def run_loop(model: Path, cfg: LoopConfig, weights_dir: Path) -> list[Step
     engine = TorchEngine(model, dtype="float32", max_batch_size=256, max_wait_ms=2, seed=cfg.seed)
     trainer = Trainer(
         model,
-        TrainerConfig(
-            learning_rate=cfg.learning_rate, temperature=cfg.temperature, seed=cfg.seed
-        ),
+        TrainerConfig(learning_rate=cfg.learning_rate, temperature=cfg.temperature, seed=cfg.seed),
     )
     records: list[StepRecord] = []
     started = time.perf_counter()
     pending = {
-        s: asyncio.create_task(_batch(engine, cfg, s)) for s in range(min(cfg.max_async + 1, cfg.steps))
+        s: asyncio.create_task(_batch(engine, cfg, s))
+        for s in range(min(cfg.max_async + 1, cfg.steps))
     }
     try:
         for step in range(cfg.steps):

@@ -1,0 +1,67 @@
+"""What every benchmark records beside its numbers: the machine, the versions, the exact
+command; and one way to write results (JSON + a markdown table) to bench/results/."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+from datetime import UTC, datetime
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def machine() -> dict[str, Any]:
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    versions = {"python": platform.python_version()}
+    for package in ("torch", "transformers", "aiokafka", "faststream", "trl"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            pass
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            cwd=RESULTS.parent,
+            check=False,
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "platform": platform.platform(),
+        "cpu_count": os.cpu_count(),
+        "gpu": gpu,
+        "versions": versions,
+        "commit": commit,
+        "when": datetime.now(UTC).isoformat(timespec="seconds"),
+    }
+
+
+def write_results(
+    name: str, result: dict[str, Any], title: str, table: list[str], command: str
+) -> Path:
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    m = result["machine"]
+    lines = [
+        f"# {title}",
+        "",
+        f"`{command}` — {m['when']}, commit {m['commit'] or '?'}, {m['cpu_count']} CPUs"
+        + (f", {m['gpu']}" if m["gpu"] else ", no GPU")
+        + ", "
+        + ", ".join(f"{k} {v}" for k, v in m["versions"].items()),
+        "",
+        *table,
+        "",
+    ]
+    path = RESULTS / f"{name}.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,198 @@
+"""A whole node on one machine: the broker (embedded Tansu unless one is given), the topics,
+and every service as a child process wired to the others with its own service token.
+
+Used by the benchmarks and the end-to-end tools; `rlnode up` builds its supervision on it.
+What a *user* does on top (an org, a sealed key, a Task App, a job) goes through the public
+clients, as it would against any node."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlnode.bus import ensure_topics
+from rlnode.localbroker import LocalBroker, free_port
+from rlnode.process import SERVICES_BY_NAME, ServiceProcess, ensure_local_credentials
+from rlnode.sdk.gateway import GatewayClient
+from rlnode.sdk.vault import VaultClient
+from rlnode.settings import KafkaSettings
+
+log = logging.getLogger("rlnode.node")
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE_TASK_APPS = ROOT / "examples" / "taskapps"
+
+
+@dataclass
+class NodeOptions:
+    data_dir: Path
+    kafka_bootstrap: str | None = None  # None: start the embedded broker
+    generators: int = 1
+    # Extra environment per service name ("learner", "rollout-generator", ...).
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Tansu delays a group's first join by half the session timeout; 6 s (Kafka's minimum)
+    # keeps start-up quick on a local node.
+    session_timeout_ms: int = 6000
+    services: tuple[str, ...] = (
+        "credential-vault",
+        "taskapp-gateway",
+        "rollout-generator",
+        "learner",
+        "checkpoint-server",
+    )
+
+
+@dataclass
+class Org:
+    org_id: str
+    token: str
+
+
+class LocalNode:
+    def __init__(self, options: NodeOptions) -> None:
+        self.options = options
+        self.data_dir = options.data_dir
+        self.broker: LocalBroker | None = None
+        self.bootstrap = options.kafka_bootstrap or ""
+        self.processes: dict[str, ServiceProcess] = {}
+        self.admin_token = ""
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> LocalNode:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        if not self.bootstrap:
+            self.broker = LocalBroker().start()
+            self.bootstrap = self.broker.bootstrap_servers
+        asyncio.run(ensure_topics(self.kafka_settings()))
+        credentials = ensure_local_credentials(self.data_dir)
+        self.admin_token = credentials.admin_token
+        wanted = self.options.services
+        vault = self._service("credential-vault", credentials.vault_env())
+        if "taskapp-gateway" in wanted:
+            self._service(
+                "taskapp-gateway",
+                {
+                    "GATEWAY_VAULT_URL": vault.url,
+                    "GATEWAY_SERVICE_TOKEN": self.service_token(
+                        ["secrets:unseal"], "taskapp-gateway"
+                    ),
+                },
+            )
+        gateway_url = self.url("taskapp-gateway") if "taskapp-gateway" in wanted else ""
+        if "rollout-generator" in wanted:
+            token = self.service_token(["rollouts:run"], "rollout-generator")
+            for index in range(self.options.generators):
+                name = f"gen{index}"
+                self._service(
+                    "rollout-generator",
+                    {
+                        "GENERATOR_GATEWAY_URL": gateway_url,
+                        "GENERATOR_SERVICE_TOKEN": token,
+                        "GENERATOR_GENERATOR_ID": name,
+                    },
+                    instance=name,
+                )
+        if "learner" in wanted:
+            self._service(
+                "learner",
+                {
+                    "LEARNER_VAULT_URL": vault.url,
+                    "LEARNER_GATEWAY_URL": gateway_url,
+                    "LEARNER_SERVICE_TOKEN": self.service_token(
+                        ["taskapps:read", "secrets:read"], "learner"
+                    ),
+                },
+            )
+        if "checkpoint-server" in wanted:
+            self._service("checkpoint-server", {"CHECKPOINT_SERVER_VAULT_URL": vault.url})
+        for process in self.processes.values():
+            process.wait_healthy(timeout_s=60)
+
+    def _service(self, name: str, env: dict[str, str], instance: str | None = None):
+        spec = SERVICES_BY_NAME[name]
+        key = f"{name}/{instance}" if instance else name
+        process = ServiceProcess(
+            spec,
+            free_port(),
+            self.data_dir / "logs" / f"{key.replace('/', '-')}.log",
+            env={
+                "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap,
+                "KAFKA_SESSION_TIMEOUT_MS": str(self.options.session_timeout_ms),
+                "KAFKA_HEARTBEAT_INTERVAL_MS": str(self.options.session_timeout_ms // 3),
+                "RLNODE_DATA_DIR": str(self.data_dir),
+                **env,
+                **self.options.env.get(name, {}),
+            },
+        ).start()
+        self.processes[key] = process
+        if name == "credential-vault":
+            process.wait_healthy(timeout_s=60)  # the others need tokens from it
+        return process
+
+    def stop(self) -> dict[str, int]:
+        """Stop the services (consumers of others first), then the broker; exit codes."""
+        codes = {}
+        for key in reversed(list(self.processes)):
+            codes[key] = self.processes[key].stop()
+        self.processes.clear()
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+        return codes
+
+    def __enter__(self) -> LocalNode:
+        return self.start()
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()
+
+    # -- wiring ---------------------------------------------------------------------------
+
+    def kafka_settings(self) -> KafkaSettings:
+        return KafkaSettings(
+            bootstrap_servers=self.bootstrap,
+            session_timeout_ms=self.options.session_timeout_ms,
+            heartbeat_interval_ms=self.options.session_timeout_ms // 3,
+        )
+
+    def url(self, key: str) -> str:
+        return self.processes[key].url
+
+    def admin(self) -> VaultClient:
+        return VaultClient(self.url("credential-vault"), self.admin_token)
+
+    def service_token(self, scopes: list[str], service: str) -> str:
+        with self.admin() as admin:
+            return admin.create_service_token(service, scopes, None)["token"]
+
+    # -- what a user does ---------------------------------------------------------------
+
+    def create_org(self, org_id: str, secrets: dict[str, str] | None = None) -> Org:
+        """An org with its admin token, and secrets sealed (on this side) and uploaded."""
+        with self.admin() as admin:
+            token = admin.create_org(org_id)["token"]["token"]
+        with VaultClient(self.url("credential-vault"), token) as org:
+            for name, value in (secrets or {}).items():
+                org.set_secret(name, value)
+        return Org(org_id, token)
+
+    def register_example_task_app(self, org: Org, name: str, example: str) -> dict:
+        """Register one of examples/taskapps as a managed Task App and verify it."""
+        path = EXAMPLE_TASK_APPS / f"{example}.py"
+        if not path.exists():
+            raise FileNotFoundError(f"no example Task App {example!r} in {EXAMPLE_TASK_APPS}")
+        with GatewayClient(self.url("taskapp-gateway"), org.token) as gateway:
+            gateway.register(name, command=[sys.executable, str(path)])
+            return gateway.verify(name)

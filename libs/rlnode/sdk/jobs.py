@@ -1,0 +1,195 @@
+"""Jobs from Python: start one, cancel it, follow its events. Talks to the broker only (the
+learner owns jobs and answers on the job-events topic), so anything that reaches Kafka can
+run jobs.
+
+    async with JobsClient(org_id, token) as jobs:
+        job_id = await jobs.start(config)
+        async for event in jobs.events(job_id):
+            print(event.type, event.message)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+from aiokafka import TopicPartition
+from aiokafka.partitioner import DefaultPartitioner
+
+from rlnode import topics
+from rlnode.bus import Bus, BusUnavailable
+from rlnode.codec import DecodeError, decode
+from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest
+from rlnode.settings import KafkaSettings
+
+TERMINAL = {JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.CANCELLED}
+
+
+class JobError(RuntimeError):
+    """The job ended without completing, or never started; `event` says how."""
+
+    def __init__(self, message: str, event: JobEvent | None = None) -> None:
+        super().__init__(message)
+        self.event = event
+
+
+def new_job_id() -> str:
+    return f"job-{uuid.uuid4().hex[:12]}"
+
+
+def load_config(path: Path) -> JobConfig:
+    """A job config from a TOML or JSON file, validated (errors name the field)."""
+    text = path.read_text()
+    if path.suffix.lower() == ".toml":
+        import tomllib
+
+        return JobConfig.model_validate(tomllib.loads(text))
+    return JobConfig.model_validate_json(text)
+
+
+def ends_the_job(event: JobEvent, accepted: bool) -> bool:
+    """Whether this event is the job's last word. A rejection ends it only before it was
+    accepted and only for a start request: a refused cancel leaves the job running."""
+    if event.type in TERMINAL:
+        return True
+    return (
+        event.type is JobEventType.REJECTED
+        and not accepted
+        and event.data.get("action", "start") == "start"
+    )
+
+
+class JobsClient:
+    def __init__(
+        self, org_id: str, token: str, kafka: KafkaSettings | None = None, service: str = "sdk"
+    ) -> None:
+        self.org_id = org_id
+        self.token = token
+        self.kafka = kafka or KafkaSettings()
+        self._bus = Bus(self.kafka, service=service)
+        self._started = False
+
+    async def __aenter__(self) -> JobsClient:
+        return self
+
+    async def __aexit__(self, *_exc: Any) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        if self._started:
+            await self._bus.stop()
+            self._started = False
+
+    async def _publish(self, request: JobRequest) -> None:
+        if not self._started:
+            await self._bus.start()
+            self._started = True
+        await self._bus.publish(request)
+
+    async def start(self, config: JobConfig, job_id: str | None = None) -> str:
+        """Publish a start request; returns the job id (the learner answers on job-events)."""
+        job_id = job_id or new_job_id()
+        await self._publish(
+            JobRequest(job_id=job_id, org_id=self.org_id, token=self.token, config=config)
+        )
+        return job_id
+
+    async def cancel(self, job_id: str, reason: str | None = None) -> None:
+        await self._publish(
+            JobRequest(
+                job_id=job_id,
+                org_id=self.org_id,
+                token=self.token,
+                action="cancel",
+                reason=reason,
+            )
+        )
+
+    async def events(
+        self, job_id: str, *, follow: bool = True, idle_timeout_s: float | None = None
+    ) -> AsyncIterator[JobEvent]:
+        """The job's events from its first, in order. With `follow`, waits for more until the
+        job ends (or `idle_timeout_s` passes with nothing new: TimeoutError); without, stops
+        at the end of what the topic holds now."""
+        consumer = self._bus.consumer(group_id=None)
+        try:
+            await consumer.start()
+        except Exception as e:
+            await _stop_quietly(consumer)
+            raise BusUnavailable(
+                f"cannot reach the Kafka broker at {self.kafka.bootstrap_servers}: {e}; "
+                "is the node up (rlnode up) and KAFKA_BOOTSTRAP_SERVERS right?"
+            ) from e
+        try:
+            partition = await _partition_of(consumer, topics.JOB_EVENTS, job_id)
+            consumer.assign([partition])
+            await consumer.seek_to_beginning(partition)
+            end = (await consumer.end_offsets([partition]))[partition]
+            accepted = False
+            last_news = time.monotonic()
+            while True:
+                batch = await consumer.getmany(partition, timeout_ms=500, max_records=500)
+                records = batch.get(partition, [])
+                for record in records:
+                    event = _job_event(record.value)
+                    if event is None or event.job_id != job_id:
+                        continue
+                    last_news = time.monotonic()
+                    yield event
+                    accepted = accepted or event.type is JobEventType.ACCEPTED
+                    if ends_the_job(event, accepted):
+                        return
+                position = await consumer.position(partition)
+                if not follow and position >= end:
+                    return
+                if idle_timeout_s is not None and time.monotonic() - last_news > idle_timeout_s:
+                    raise TimeoutError(
+                        f"no event of job {job_id} for {idle_timeout_s:g}s; is a learner "
+                        "running (rlnode status)?"
+                    )
+        finally:
+            await _stop_quietly(consumer)
+
+    async def wait(self, job_id: str, idle_timeout_s: float | None = None) -> JobEvent:
+        """Until the job ends; its last event if it completed, else JobError saying why."""
+        last = None
+        async for event in self.events(job_id, idle_timeout_s=idle_timeout_s):
+            last = event
+        if last is None or last.type is not JobEventType.COMPLETED:
+            reason = last.data.get("reason", last.message) if last else "no events"
+            kind = last.type.value if last else "unknown"
+            raise JobError(f"job {job_id} {kind.removeprefix('job.')}: {reason}", last)
+        return last
+
+
+async def _partition_of(consumer, topic: str, job_id: str) -> TopicPartition:
+    """Records are keyed by job id with Kafka's default partitioner: a job's events all sit
+    in one partition, so a watcher reads only that one."""
+    partitions = consumer.partitions_for_topic(topic)
+    deadline = time.monotonic() + 10
+    while not partitions:
+        if time.monotonic() > deadline:
+            raise BusUnavailable(f"the topic {topic} does not exist; run `rlnode topics create`")
+        await consumer._client.force_metadata_update()
+        partitions = consumer.partitions_for_topic(topic)
+        await asyncio.sleep(0.1)
+    ordered = sorted(partitions)
+    return TopicPartition(topic, DefaultPartitioner()(job_id.encode(), ordered, ordered))
+
+
+def _job_event(raw: bytes) -> JobEvent | None:
+    try:
+        return decode(raw, JobEvent)
+    except DecodeError:
+        return None  # dead-lettered by its consumers; a watcher skips it
+
+
+async def _stop_quietly(consumer) -> None:
+    try:
+        await consumer.stop()
+    except Exception:
+        pass
