@@ -15,6 +15,7 @@ import httpx
 
 from rlnode.engine import EngineError, GenerationRequest, render_chat
 from rlnode.messages import RolloutFailure, RolloutWork, TokenTurn, Trajectory
+from rlnode.openai_api import cut_at_stop
 from rlnode.taskapp.contract import (
     PolicyConfig,
     RolloutEnvSpec,
@@ -78,10 +79,7 @@ class ActiveRollout:
         self.turns.append(turn)
         tokenizer = self.engines.policy.tokenizer
         text = tokenizer.decode(result.completion_ids, skip_special_tokens=True)
-        for s in stop:  # OpenAI semantics: the text ends before the stop string
-            if s in text:
-                text = text[: text.index(s)]
-        return turn, text
+        return turn, cut_at_stop(text, stop)
 
 
 class RolloutRegistry:

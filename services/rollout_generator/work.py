@@ -18,6 +18,7 @@ from aiokafka.structs import OffsetAndMetadata
 from rlnode import topics
 from rlnode.bus import Bus, RecordTooLarge
 from rlnode.messages import JobEvent, JobEventType, RolloutFailure, RolloutWork, Trajectory
+from rollout_generator.finished import FinishedJobs
 
 log = logging.getLogger("rollout_generator.work")
 
@@ -68,7 +69,9 @@ class WorkConsumer:
         concurrency: int,
         run_rollout: Callable[[RolloutWork], Awaitable[Trajectory]],
         max_poll_interval_ms: int,
+        finished: FinishedJobs | None = None,
     ) -> None:
+        self.finished = finished
         self.bus = bus
         self.group_id = group_id
         self.concurrency = concurrency
@@ -102,6 +105,8 @@ class WorkConsumer:
         self._loop_task = asyncio.create_task(self._loop(), name="rollout-work-consumer")
 
     async def _loop(self) -> None:
+        if self.finished is not None:  # know which jobs ended before taking their work
+            await self.finished.wait_caught_up(30.0)
         while not self._stopping.is_set():
             await self._slots.acquire()
             self._slots.release()
@@ -125,7 +130,9 @@ class WorkConsumer:
     async def _process(self, partition: TopicPartition, record) -> None:
         try:
             work = await self.bus.accept(record, RolloutWork, group_id=self.group_id)
-            if work is not None:
+            if work is not None and self.finished is not None and work.job_id in self.finished:
+                self.finished.skipped += 1  # the job ended: nobody waits for this rollout
+            elif work is not None:
                 trajectory = await self.run_rollout(work)
                 await self._publish(trajectory)
             self.tracker.finish(partition, record.offset)

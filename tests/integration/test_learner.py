@@ -339,6 +339,8 @@ async def test_cancel_stops_a_running_job_and_a_queued_one(
                 config=copy_config(model, steps=500, checkpoint_every=1000),
             )
         )
+        # Requests of different jobs sit in different partitions: no order between them.
+        await watch(make_bus, job_id, {JobEventType.STARTED, JobEventType.QUEUED}, 120)
     events = await watch(make_bus, queued, {JobEventType.QUEUED}, 120)
     await producer.publish(
         JobRequest(

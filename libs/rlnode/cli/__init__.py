@@ -8,6 +8,9 @@ rlnode org create ORG         create an org (admin token)
 rlnode token create NAME      issue an org token (org admin), or --service NAME (admin)
 rlnode secrets set NAME       seal a value locally and upload the ciphertext
 rlnode secrets list | rm NAME
+rlnode taskapp register|list|verify|logs|rm
+rlnode job start CONFIG [--watch] | watch ID | list | status ID | cancel ID | plot ID
+rlnode infer JOB@STEP "prompt"  ask a checkpoint (STEP may be `latest`)
 """
 
 from __future__ import annotations
@@ -17,8 +20,9 @@ import sys
 
 from rlnode import __version__
 from rlnode.bus import BusError
-from rlnode.cli import node, taskapp, vault
+from rlnode.cli import job, node, taskapp, vault
 from rlnode.localbroker import BrokerBinaryMissing, BrokerStartError
+from rlnode.sdk.checkpoints import CheckpointError
 from rlnode.sdk.gateway import GatewayError
 from rlnode.sdk.vault import VaultError
 
@@ -33,10 +37,19 @@ def main(argv: list[str] | None = None) -> int:
     node.register_model(commands)
     vault.register(commands)
     taskapp.register(commands)
+    job.register(commands)
     args = parser.parse_args(argv)
     try:
         return args.run(args)
-    except (BrokerBinaryMissing, BrokerStartError, BusError, VaultError, GatewayError) as e:
+    except (
+        BrokerBinaryMissing,
+        BrokerStartError,
+        BusError,
+        VaultError,
+        GatewayError,
+        CheckpointError,
+        job.CliError,
+    ) as e:
         print(f"rlnode: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -65,6 +65,15 @@ class ApiClient:
         return org_id or self.org_id
 
     def _request(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = self._send(method, path, **kwargs)
+        if response.status_code == 204:
+            return None
+        if response.headers.get("content-type", "").startswith("application/json"):
+            return response.json()
+        return response.text
+
+    def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
+        """The response, or this client's error with the service's own message."""
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         try:
             response = self._http.request(method, path, headers=headers, **kwargs)
@@ -79,8 +88,4 @@ class ApiClient:
             except (ValueError, AttributeError):
                 message = response.text or response.reason_phrase
             raise self.error(response.status_code, str(message))
-        if response.status_code == 204:
-            return None
-        if response.headers.get("content-type", "").startswith("application/json"):
-            return response.json()
-        return response.text
+        return response

@@ -110,11 +110,17 @@ class JobsClient:
         )
 
     async def events(
-        self, job_id: str, *, follow: bool = True, idle_timeout_s: float | None = None
+        self,
+        job_id: str,
+        *,
+        follow: bool = True,
+        idle_timeout_s: float | None = None,
+        wait_first_s: float | None = None,
     ) -> AsyncIterator[JobEvent]:
         """The job's events from its first, in order. With `follow`, waits for more until the
-        job ends (or `idle_timeout_s` passes with nothing new: TimeoutError); without, stops
-        at the end of what the topic holds now."""
+        job ends; without, stops at the end of what the topic holds now. TimeoutError when
+        no event of the job comes within `wait_first_s` of the start (a wrong id, or no
+        learner), or none for `idle_timeout_s` at any point."""
         consumer = self._bus.consumer(group_id=None)
         try:
             await consumer.start()
@@ -130,7 +136,8 @@ class JobsClient:
             await consumer.seek_to_beginning(partition)
             end = (await consumer.end_offsets([partition]))[partition]
             accepted = False
-            last_news = time.monotonic()
+            started = last_news = time.monotonic()
+            seen = False
             while True:
                 batch = await consumer.getmany(partition, timeout_ms=500, max_records=500)
                 records = batch.get(partition, [])
@@ -138,7 +145,7 @@ class JobsClient:
                     event = _job_event(record.value)
                     if event is None or event.job_id != job_id:
                         continue
-                    last_news = time.monotonic()
+                    last_news, seen = time.monotonic(), True
                     yield event
                     accepted = accepted or event.type is JobEventType.ACCEPTED
                     if ends_the_job(event, accepted):
@@ -146,6 +153,12 @@ class JobsClient:
                 position = await consumer.position(partition)
                 if not follow and position >= end:
                     return
+                if (
+                    not seen
+                    and wait_first_s is not None
+                    and time.monotonic() - started > wait_first_s
+                ):
+                    raise TimeoutError(f"no event of job {job_id} within {wait_first_s:g}s")
                 if idle_timeout_s is not None and time.monotonic() - last_news > idle_timeout_s:
                     raise TimeoutError(
                         f"no event of job {job_id} for {idle_timeout_s:g}s; is a learner "

@@ -1,0 +1,353 @@
+"""`rlnode job start|watch|list|status|cancel|plot` and `rlnode infer`.
+
+Jobs go through the broker (KAFKA_BOOTSTRAP_SERVERS): requests to the learner, events back.
+Listings, metrics and inference come from the checkpoint-server (RLNODE_CHECKPOINT_URL). The
+org token is RLNODE_TOKEN; its org is the job's."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from rlnode.auth import AuthError, read_unverified
+from rlnode.messages import JobEvent, JobEventType
+from rlnode.sdk.checkpoints import CheckpointClient
+from rlnode.sdk.jobs import JobsClient, ends_the_job, load_config, new_job_id
+from rlnode.settings import KafkaSettings
+
+QUIET = {JobEventType.WEIGHTS_PUBLISHED, JobEventType.WEIGHTS_LOADED, JobEventType.ROLLOUT_BATCH}
+
+
+class CliError(RuntimeError):
+    """A failure explained in one line; the CLI prints it and exits 1."""
+
+
+def _credentials() -> tuple[str, str]:
+    token = os.environ.get("RLNODE_TOKEN")
+    if not token:
+        raise CliError(
+            "RLNODE_TOKEN is not set: export it with an org token (rlnode org create prints one)"
+        )
+    try:
+        org = read_unverified(token).get("org")
+    except AuthError as e:
+        raise CliError(f"RLNODE_TOKEN is not an rlnode token: {e.message}") from None
+    if not org:
+        raise CliError("RLNODE_TOKEN names no org; use an org token, not a service token")
+    return org, token
+
+
+def _jobs() -> JobsClient:
+    org, token = _credentials()
+    return JobsClient(org, token, KafkaSettings(), service="cli")
+
+
+def _checkpoints(args: argparse.Namespace) -> CheckpointClient:
+    return CheckpointClient(getattr(args, "checkpoint_url", None), _credentials()[1])
+
+
+def _config(path: str):
+    file = Path(path)
+    if not file.exists():
+        raise CliError(f"no config file {path}")
+    try:
+        return load_config(file)
+    except ValidationError as e:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(top level)'}: {err['msg']}"
+            for err in e.errors()
+        )
+        raise CliError(f"{path} is not a valid job config: {problems}") from None
+    except ValueError as e:  # TOML or JSON syntax
+        raise CliError(f"{path} cannot be read: {e}") from None
+
+
+# -- start / cancel -------------------------------------------------------------------------
+
+
+def _start(args: argparse.Namespace) -> int:
+    config = _config(args.config)
+    job_id = args.job_id or new_job_id()
+
+    async def run() -> int:
+        async with _jobs() as jobs:
+            await jobs.start(config, job_id)
+            print(
+                f"job {job_id} requested ({config.training.steps} steps of {config.model.source})"
+            )
+            if not args.watch:
+                print(f"follow it with: rlnode job watch {job_id}")
+                return 0
+            return await _follow(jobs, job_id, wait_first_s=120.0)
+
+    return asyncio.run(run())
+
+
+def _cancel(args: argparse.Namespace) -> int:
+    async def run() -> int:
+        async with _jobs() as jobs:
+            await jobs.cancel(args.job_id, args.reason)
+        print(
+            f"cancel of {args.job_id} requested; `rlnode job watch {args.job_id}` shows the outcome"
+        )
+        return 0
+
+    return asyncio.run(run())
+
+
+# -- watch ------------------------------------------------------------------------------------
+
+
+class Progress:
+    """One status line per training step: step of total, reward, loss, staleness, ETA.
+    On a terminal it rewrites itself in place; in a log it is one line per step."""
+
+    def __init__(self, stream=sys.stdout) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.first: tuple[int, float] | None = None
+        self.open_line = False
+
+    def step(self, event: JobEvent) -> None:
+        d = event.data
+        step, total = int(d.get("step", 0)), int(d.get("total_steps") or 0)
+        now = event.ts.timestamp()
+        if self.first is None:
+            self.first = (step, now)
+        eta = ""
+        done_steps, since = step - self.first[0], now - self.first[1]
+        if total and done_steps > 0 and since > 0:
+            eta = f"  ETA {_duration((total - step) * since / done_steps)}"
+        width = 24
+        filled = int(width * step / total) if total else 0
+        bar = "#" * filled + "-" * (width - filled)
+        line = (
+            f"[{bar}] {step}/{total or '?'}  reward {d.get('reward_mean', 0):.3f}"
+            f"  loss {d.get('loss', 0):+.4f}  staleness {d.get('staleness_mean', 0):.1f}{eta}"
+        )
+        if self.tty:
+            self.stream.write("\r" + line.ljust(100))
+            self.open_line = True
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+    def say(self, text: str) -> None:
+        if self.open_line:
+            self.stream.write("\n")
+            self.open_line = False
+        self.stream.write(text + "\n")
+        self.stream.flush()
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(max(0, seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+async def _follow(jobs: JobsClient, job_id: str, wait_first_s: float) -> int:
+    progress = Progress()
+    accepted = False
+    last: JobEvent | None = None
+    try:
+        async for event in jobs.events(job_id, wait_first_s=wait_first_s):
+            last = event
+            accepted = accepted or event.type is JobEventType.ACCEPTED
+            if event.type is JobEventType.TRAIN_STEP:
+                progress.step(event)
+            elif event.type not in QUIET:
+                stamp = datetime.fromtimestamp(event.ts.timestamp()).strftime("%H:%M:%S")
+                progress.say(f"{stamp} {event.type.value:<18} {event.message}")
+            if ends_the_job(event, accepted):
+                break
+    except TimeoutError:
+        raise CliError(
+            f"no events of job {job_id} within {wait_first_s:g}s: check the id "
+            "(rlnode job list) and that the node's learner is running"
+        ) from None
+    if last is None or last.type is not JobEventType.COMPLETED:
+        reason = (last.data.get("reason") or last.message) if last else "no events"
+        kind = last.type.value.removeprefix("job.") if last else "unknown"
+        print(f"rlnode: job {job_id} {kind}: {reason}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _watch(args: argparse.Namespace) -> int:
+    async def run() -> int:
+        async with _jobs() as jobs:
+            return await _follow(jobs, args.job_id, wait_first_s=args.wait)
+
+    return asyncio.run(run())
+
+
+# -- list / status / plot / infer -----------------------------------------------------------
+
+
+def _list(args: argparse.Namespace) -> int:
+    with _checkpoints(args) as server:
+        rows = server.jobs()
+    if not rows:
+        print("no jobs yet: start one with rlnode job start CONFIG.toml")
+        return 0
+    print(f"{'JOB':<28} {'STATUS':<10} {'STEP':>11} {'REWARD':>8}  CREATED")
+    for r in rows:
+        step = f"{r['step']}/{r['total_steps'] or '?'}"
+        reward = f"{r['reward_mean']:.3f}" if r["reward_mean"] is not None else "-"
+        print(f"{r['job_id']:<28} {r['status']:<10} {step:>11} {reward:>8}  {r['created_at'][:19]}")
+    return 0
+
+
+def _status(args: argparse.Namespace) -> int:
+    with _checkpoints(args) as server:
+        r = server.job(args.job_id)
+    print(f"job        {r['job_id']}")
+    print(f"status     {r['status']}" + (f" ({r['reason']})" if r["reason"] else ""))
+    print(f"step       {r['step']}/{r['total_steps'] or '?'}")
+    if r["reward_mean"] is not None:
+        print(f"reward     {r['reward_mean']:.4f}   loss {r['loss']:+.4f}")
+    steps = r["checkpoints"]
+    print(f"checkpoints {', '.join(map(str, steps)) if steps else 'none yet'}")
+    if steps:
+        print(f'infer with: rlnode infer {r["job_id"]}@latest "your prompt"')
+    return 0
+
+
+def _plot(args: argparse.Namespace) -> int:
+    with _checkpoints(args) as server:
+        rows = server.metrics(args.job_id)
+    out = Path(args.out or f"{args.job_id}.png")
+    write_plot(rows, out, title=f"{args.job_id}")
+    print(f"wrote {out.resolve()}")
+    return 0
+
+
+def write_plot(rows: list[dict], out: Path, title: str) -> Path:
+    """Reward (mean ± std) and loss against step, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in rows]
+    reward = [r["reward_mean"] for r in rows]
+    spread = [r.get("reward_std", 0.0) for r in rows]
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
+    top.plot(steps, reward, color="tab:blue")
+    top.fill_between(
+        steps,
+        [m - s for m, s in zip(reward, spread, strict=True)],
+        [m + s for m, s in zip(reward, spread, strict=True)],
+        color="tab:blue",
+        alpha=0.15,
+    )
+    top.set_ylabel("reward (mean ± std)")
+    top.set_title(title)
+    bottom.plot(steps, [r["loss"] for r in rows], color="tab:red")
+    bottom.set_ylabel("loss")
+    bottom.set_xlabel("step")
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def terminal_curve(values: list[float], width: int = 60, height: int = 10) -> str:
+    """A small text chart of a series (for terminals with no image viewer)."""
+    if not values:
+        return "(no data)"
+    if len(values) > width:  # bucket means
+        size = len(values) / width
+        values = [
+            sum(values[int(i * size) : int((i + 1) * size)])
+            / max(1, len(values[int(i * size) : int((i + 1) * size)]))
+            for i in range(width)
+        ]
+    low, high = min(values), max(values)
+    span = (high - low) or 1.0
+    rows = []
+    for level in range(height, 0, -1):
+        threshold = low + span * (level - 0.5) / height
+        rows.append("".join("█" if v >= threshold else " " for v in values))
+    return "\n".join(
+        [
+            f"{high:8.3f} ┤{rows[0]}",
+            *(f"{'':8} │{r}" for r in rows[1:-1]),
+            f"{low:8.3f} ┤{rows[-1]}",
+        ]
+    )
+
+
+def _infer(args: argparse.Namespace) -> int:
+    with _checkpoints(args) as server:
+        started = time.perf_counter()
+        answer = server.chat(
+            args.model,
+            args.prompt,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+        )
+    print(answer["choices"][0]["message"]["content"])
+    if args.verbose:
+        use = answer["usage"]
+        print(
+            f"({use['completion_tokens']} tokens in {time.perf_counter() - started:.2f}s, "
+            f"finish: {answer['choices'][0]['finish_reason']})",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    server = argparse.ArgumentParser(add_help=False)
+    server.add_argument(
+        "--checkpoint-url",
+        default=None,
+        help="default: RLNODE_CHECKPOINT_URL or http://127.0.0.1:8750",
+    )
+    job = commands.add_parser("job", help="start, watch, list and cancel training jobs")
+    sub = job.add_subparsers(dest="job_command", required=True, metavar="ACTION")
+    start = sub.add_parser("start", help="validate CONFIG (TOML or JSON) and start a job")
+    start.add_argument("config")
+    start.add_argument("--job-id", default=None, help="default: a new job-<hex> id")
+    start.add_argument("--watch", action="store_true", help="follow the job until it ends")
+    start.set_defaults(run=_start)
+    watch = sub.add_parser("watch", help="follow a job's progress; exit 0 when it completes")
+    watch.add_argument("job_id")
+    watch.add_argument(
+        "--wait", type=float, default=30.0, help="seconds to wait for the first event"
+    )
+    watch.set_defaults(run=_watch)
+    lst = sub.add_parser("list", parents=[server], help="your org's jobs")
+    lst.set_defaults(run=_list)
+    status = sub.add_parser("status", parents=[server], help="one job's state and checkpoints")
+    status.add_argument("job_id")
+    status.set_defaults(run=_status)
+    cancel = sub.add_parser("cancel", help="stop a job (a checkpoint of its progress is kept)")
+    cancel.add_argument("job_id")
+    cancel.add_argument("--reason", default=None)
+    cancel.set_defaults(run=_cancel)
+    plot = sub.add_parser("plot", parents=[server], help="PNG of reward and loss against step")
+    plot.add_argument("job_id")
+    plot.add_argument("--out", default=None, help="default: ./<job_id>.png")
+    plot.set_defaults(run=_plot)
+
+    infer = commands.add_parser(
+        "infer", parents=[server], help="ask a checkpoint (MODEL = <job_id>@<step>|latest)"
+    )
+    infer.add_argument("model")
+    infer.add_argument("prompt")
+    infer.add_argument("--max-tokens", type=int, default=64)
+    infer.add_argument("--temperature", type=float, default=0.0)
+    infer.add_argument("-v", "--verbose", action="store_true")
+    infer.set_defaults(run=_infer)

@@ -1,0 +1,60 @@
+"""Client of the checkpoint-server: your jobs and checkpoints, their files and metrics, and
+chat with any checkpoint (the server is OpenAI-compatible: the `openai` client works too,
+with base_url=<server>/v1 and your org token as the API key)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from rlnode.sdk.http import ApiClient, ApiError
+
+
+class CheckpointError(ApiError):
+    service = "checkpoint-server"
+
+
+class CheckpointClient(ApiClient):
+    error = CheckpointError
+    url_env = "RLNODE_CHECKPOINT_URL"
+    default_url = "http://127.0.0.1:8750"
+
+    def __init__(
+        self, url: str | None = None, token: str | None = None, *, timeout_s: float = 300.0
+    ) -> None:
+        super().__init__(url, token, timeout_s=timeout_s)
+
+    def jobs(self) -> list[dict]:
+        return self._request("GET", "/v1/jobs")
+
+    def job(self, job_id: str) -> dict:
+        return self._request("GET", f"/v1/jobs/{job_id}")
+
+    def metrics(self, job_id: str) -> list[dict]:
+        text = self._request("GET", f"/v1/jobs/{job_id}/metrics")
+        return [json.loads(line) for line in str(text).splitlines() if line.strip()]
+
+    def checkpoints(self, job_id: str | None = None) -> list[dict]:
+        return self._request("GET", "/v1/checkpoints", params={"job": job_id} if job_id else None)
+
+    def models(self) -> list[str]:
+        return [m["id"] for m in self._request("GET", "/v1/models")["data"]]
+
+    def download(self, model: str, name: str, to: Path) -> Path:
+        job_id, _, step = model.rpartition("@")
+        to.write_bytes(self._send("GET", f"/v1/checkpoints/{job_id}/{step}/files/{name}").content)
+        return to
+
+    def chat(self, model: str, messages: list[dict[str, Any]] | str, **sampling: Any) -> dict:
+        """One chat completion (the whole OpenAI response)."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        return self._request(
+            "POST", "/v1/chat/completions", json={"model": model, "messages": messages, **sampling}
+        )
+
+    def complete(self, model: str, prompt: str, **sampling: Any) -> dict:
+        return self._request(
+            "POST", "/v1/completions", json={"model": model, "prompt": prompt, **sampling}
+        )

@@ -1,0 +1,340 @@
+"""The production run flow on the CPU, as a user drives it: a whole node (vault, gateway,
+generator, learner, checkpoint-server) on the test broker; `rlnode job start --watch` to
+completion; listings; inference on `@latest` and an earlier step with the `openai` client;
+parity of the served logprobs with the saved weights; a raw Kafka client driving a job."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import torch
+
+from rlnode import topics
+from rlnode.engine.tiny import init_tiny_model
+from rlnode.node import LocalNode, NodeOptions
+from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
+from rlnode.sdk.jobs import JobsClient
+from rlnode.testing import unique_id
+
+pytestmark = pytest.mark.asyncio
+STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, kafka_broker):
+    directory = tmp_path_factory.mktemp("run-flow")
+    # Groups of this module's own: a new group reads its topics from the start, and must
+    # not take over other modules' job requests.
+    prefix = unique_id("flow")
+    options = NodeOptions(
+        data_dir=directory / "node",
+        kafka_bootstrap=kafka_broker.bootstrap_servers,
+        env={
+            "learner": {
+                "LEARNER_GROUP_ID": f"{prefix}-learner",
+                "LEARNER_TRAJECTORY_GROUP_ID": f"{prefix}-trajectories",
+            },
+            "rollout-generator": {
+                "GENERATOR_WORK_GROUP": f"{prefix}-work",
+                "GENERATOR_CONCURRENCY": "64",
+                "GENERATOR_MAX_BATCH_SIZE": "64",
+            },
+            "checkpoint-server": {"CHECKPOINT_SERVER_GROUP_ID": f"{prefix}-index"},
+        },
+    )
+    with LocalNode(options) as running:
+        org = running.create_org(unique_id("org"), {"ENVIRONMENT_API_KEY": "tk-" + prefix})
+        assert running.register_example_task_app(org, "copy", "copy_task")["ok"]
+        model = init_tiny_model(directory / "tiny", seed=0)
+        config = directory / "job.toml"
+        config.write_text(
+            f"""
+name = "copy, tiny"
+[model]
+source = "{model}"
+[task_app]
+name = "copy"
+env_config = {{ length = 3, alphabet = "abc" }}
+[sampling]
+max_tokens = 6
+[training]
+steps = {STEPS}
+prompts_per_step = 8
+group_size = 8
+learning_rate = 5e-3
+checkpoint_every = 2
+"""
+        )
+        yield running, org, config, directory
+
+
+def cli(node, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    running, org, _config, directory = node
+    env = {
+        **os.environ,
+        "RLNODE_TOKEN": org.token,
+        "KAFKA_BOOTSTRAP_SERVERS": running.bootstrap,
+        "RLNODE_CHECKPOINT_URL": running.url("checkpoint-server"),
+        "RLNODE_DATA_DIR": str(directory / "user"),
+    }
+    return subprocess.run(
+        [sys.executable, "-m", "rlnode.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=directory,
+    )
+
+
+@pytest.fixture(scope="module")
+def finished_job(node) -> str:
+    """One job run through the CLI: start --watch until it completes."""
+    job_id = unique_id("job")
+    result = cli(node, "job", "start", str(node[2]), "--job-id", job_id, "--watch")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{STEPS}/{STEPS}" in result.stdout and "job.completed" in result.stdout
+    return job_id
+
+
+def wait_indexed(client: CheckpointClient, job_id: str, steps: list[int]) -> list[dict]:
+    """The checkpoint-server indexes from the topic: allow it a moment to catch up."""
+    for _ in range(100):
+        found = client.checkpoints(job_id)
+        if sorted(c["step"] for c in found) == steps:
+            return found
+        import time
+
+        time.sleep(0.2)
+    raise AssertionError(f"checkpoints of {job_id}: {client.checkpoints(job_id)}")
+
+
+async def test_start_watch_list_status_and_plot(node, finished_job) -> None:
+    running, org, _config, directory = node
+    with CheckpointClient(running.url("checkpoint-server"), org.token) as server:
+        found = await asyncio.to_thread(wait_indexed, server, finished_job, [2, STEPS])
+        assert all(c["on_disk"] for c in found)
+        assert found[-1]["final"] is True
+        models = server.models()
+        assert {f"{finished_job}@2", f"{finished_job}@{STEPS}", f"{finished_job}@latest"} <= set(
+            models
+        )
+    listed = cli(node, "job", "list")
+    assert listed.returncode == 0 and finished_job in listed.stdout and "completed" in listed.stdout
+    status = cli(node, "job", "status", finished_job)
+    assert status.returncode == 0, status.stderr
+    assert f"step       {STEPS}/{STEPS}" in status.stdout and f"2, {STEPS}" in status.stdout
+    plot = cli(node, "job", "plot", finished_job, "--out", str(directory / "curve.png"))
+    assert plot.returncode == 0, plot.stderr
+    assert (directory / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # The metrics file has one line per step.
+    metrics = running.data_dir / "checkpoints" / finished_job / "metrics.jsonl"
+    lines = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
+
+
+async def test_the_openai_client_talks_to_latest_and_earlier_checkpoints(
+    node, finished_job
+) -> None:
+    running, org, _config, _directory = node
+    client = openai.AsyncOpenAI(
+        base_url=running.url("checkpoint-server") + "/v1", api_key=org.token, max_retries=0
+    )
+    latest = await client.chat.completions.create(
+        model=f"{finished_job}@latest",
+        messages=[{"role": "user", "content": "Copy: abc"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+    )
+    assert latest.choices[0].message.content is not None
+    assert latest.usage.completion_tokens == len(latest.choices[0].logprobs.content) > 0
+    earlier = await client.completions.create(
+        model=f"{finished_job}@2", prompt="Copy: abc", max_tokens=5, temperature=0
+    )
+    assert earlier.choices[0].finish_reason in ("stop", "length")
+    # Streaming: the chunks add up to the same greedy answer.
+    stream = await client.chat.completions.create(
+        model=f"{finished_job}@latest",
+        messages=[{"role": "user", "content": "Copy: abc"}],
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+    )
+    pieces = [c.choices[0].delta.content or "" async for c in stream]
+    assert "".join(pieces) == latest.choices[0].message.content
+    # Many at once: batched by the engine, each answered.
+    answers = await asyncio.gather(
+        *(
+            client.chat.completions.create(
+                model=f"{finished_job}@latest",
+                messages=[{"role": "user", "content": f"Copy: {w}"}],
+                max_tokens=4,
+            )
+            for w in ["abc", "cab", "bca", "aab"] * 4
+        )
+    )
+    assert len(answers) == 16 and all(a.choices[0].finish_reason for a in answers)
+    # An unknown model is a 404 that says what exists.
+    with pytest.raises(openai.NotFoundError) as missing:
+        await client.chat.completions.create(
+            model=f"{finished_job}@99", messages=[{"role": "user", "content": "hi"}]
+        )
+    assert f"it has steps 2, {STEPS}" in str(missing.value)
+    await client.close()
+
+
+async def test_served_logprobs_equal_a_forward_pass_of_the_saved_weights(
+    node, finished_job
+) -> None:
+    running, org, _config, _directory = node
+    from transformers import AutoModelForCausalLM
+
+    with CheckpointClient(running.url("checkpoint-server"), org.token) as server:
+        answer = server.chat(
+            f"{finished_job}@{STEPS}",
+            "Copy: cab",
+            max_tokens=6,
+            temperature=0,
+            logprobs=True,
+        )
+    served = [t["logprob"] for t in answer["choices"][0]["logprobs"]["content"]]
+    path = running.data_dir / "checkpoints" / finished_job / "checkpoints" / f"step-{STEPS:06d}"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Copy: cab"}], add_generation_prompt=True, tokenize=True
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    completion = tokenizer.convert_tokens_to_ids(
+        [t["token"] for t in answer["choices"][0]["logprobs"]["content"]]
+    )
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
+    direct = [
+        float(logprobs[0, len(prompt) - 1 + i, token]) for i, token in enumerate(completion)
+    ]
+    assert served == pytest.approx(direct, abs=1e-4)
+
+
+async def test_a_deleted_checkpoint_gives_a_clear_error_and_the_server_goes_on(
+    node, finished_job
+) -> None:
+    running, org, _config, _directory = node
+    import shutil
+
+    path = running.data_dir / "checkpoints" / finished_job / "checkpoints" / "step-000002"
+    shutil.rmtree(path)
+    with CheckpointClient(running.url("checkpoint-server"), org.token) as server:
+        with pytest.raises(CheckpointError) as gone:
+            server.chat(f"{finished_job}@2", "Copy: abc", max_tokens=3)
+        assert gone.value.status == 410 and "files are gone" in gone.value.message
+        listed = {c["step"]: c["on_disk"] for c in server.checkpoints(finished_job)}
+        assert listed == {2: False, STEPS: True}
+        # ... and the others still answer.
+        assert server.chat(f"{finished_job}@latest", "Copy: abc", max_tokens=3)["choices"]
+    infer = cli(node, "infer", f"{finished_job}@2", "Copy: abc")
+    assert infer.returncode == 1 and "files are gone" in infer.stderr
+
+
+async def test_other_orgs_and_bad_tokens_see_nothing(node, finished_job) -> None:
+    running, _org, _config, _directory = node
+    stranger = running.create_org(unique_id("stranger"))
+    url = running.url("checkpoint-server")
+    with CheckpointClient(url, stranger.token) as server:
+        assert server.checkpoints(finished_job) == [] and server.models() == []
+        with pytest.raises(CheckpointError) as hidden:
+            server.chat(f"{finished_job}@latest", "Copy: abc")
+        assert hidden.value.status == 404
+        with pytest.raises(CheckpointError) as no_job:
+            server.job(finished_job)
+        assert no_job.value.status == 404
+    for token in (None, "rln1.forged.token"):
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        response = httpx.get(f"{url}/v1/models", headers=headers)
+        assert response.status_code == 401
+
+
+async def test_cli_failures_are_one_line_a_user_can_act_on(node, tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[model]\nsource = "x"\n[task_app]\nname = "copy"\n[training]\nsteps = -1\n')
+    result = cli(node, "job", "start", str(bad))
+    assert result.returncode == 1 and "training.steps" in result.stderr
+    assert cli(node, "job", "start", str(tmp_path / "nope.toml")).stderr.startswith(
+        "rlnode: no config file"
+    )
+    unknown = cli(node, "job", "watch", unique_id("nope"), "--wait", "2")
+    assert unknown.returncode == 1 and "no events of job" in unknown.stderr
+    status = cli(node, "job", "status", unique_id("nope"))
+    assert status.returncode == 1 and "no job" in status.stderr
+    running = node[0]
+    down = subprocess.run(
+        [sys.executable, "-m", "rlnode.cli", "job", "watch", "x", "--wait", "2"],
+        env={
+            **os.environ,
+            "RLNODE_TOKEN": node[1].token,
+            "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1",
+            "KAFKA_REQUEST_TIMEOUT_MS": "2000",
+        },
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert down.returncode == 1 and "cannot reach the Kafka broker" in down.stderr
+    assert running.processes  # the node is still up
+
+
+async def test_any_kafka_client_can_drive_a_job(node) -> None:
+    """A plain aiokafka producer and consumer: raw JSON in, raw JSON out."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    running, org, config, _directory = node
+    import tomllib
+
+    job_id = unique_id("raw")
+    body = tomllib.loads(config.read_text())
+    body["training"]["steps"] = 1
+    request = {
+        "schema": "rlnode.JobRequest/1",
+        "job_id": job_id,
+        "org_id": org.org_id,
+        "token": org.token,
+        "action": "start",
+        "config": body,
+    }
+    producer = AIOKafkaProducer(bootstrap_servers=running.bootstrap)
+    await producer.start()
+    await producer.send_and_wait(
+        topics.JOB_REQUESTS, json.dumps(request).encode(), key=job_id.encode()
+    )
+    await producer.stop()
+    consumer = AIOKafkaConsumer(
+        topics.JOB_EVENTS, bootstrap_servers=running.bootstrap, auto_offset_reset="earliest"
+    )
+    await consumer.start()
+    seen = []
+    try:
+        async with asyncio.timeout(300):
+            async for record in consumer:
+                event = json.loads(record.value)
+                if event["job_id"] == job_id:
+                    seen.append(event["type"])
+                    if event["type"] in ("job.completed", "job.failed", "job.rejected"):
+                        break
+    finally:
+        await consumer.stop()
+    assert seen[0] == "job.accepted" and seen[-1] == "job.completed", seen
+    async with JobsClient(org.org_id, org.token, running.kafka_settings()) as jobs:
+        replay = [e.type.value async for e in jobs.events(job_id, follow=False)]
+    assert replay[0] == "job.accepted" and "job.completed" in replay
