@@ -10,7 +10,7 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+import time
 
 import httpx
 import openai
@@ -24,7 +24,6 @@ from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
 from rlnode.sdk.jobs import JobsClient
 from rlnode.testing import unique_id
 
-pytestmark = pytest.mark.asyncio
 STEPS = 4
 
 
@@ -111,16 +110,14 @@ def wait_indexed(client: CheckpointClient, job_id: str, steps: list[int]) -> lis
         found = client.checkpoints(job_id)
         if sorted(c["step"] for c in found) == steps:
             return found
-        import time
-
         time.sleep(0.2)
     raise AssertionError(f"checkpoints of {job_id}: {client.checkpoints(job_id)}")
 
 
-async def test_start_watch_list_status_and_plot(node, finished_job) -> None:
+def test_start_watch_list_status_and_plot(node, finished_job) -> None:
     running, org, _config, directory = node
     with CheckpointClient(running.url("checkpoint-server"), org.token) as server:
-        found = await asyncio.to_thread(wait_indexed, server, finished_job, [2, STEPS])
+        found = wait_indexed(server, finished_job, [2, STEPS])
         assert all(c["on_disk"] for c in found)
         assert found[-1]["final"] is True
         models = server.models()
@@ -192,9 +189,7 @@ async def test_the_openai_client_talks_to_latest_and_earlier_checkpoints(
     await client.close()
 
 
-async def test_served_logprobs_equal_a_forward_pass_of_the_saved_weights(
-    node, finished_job
-) -> None:
+def test_served_logprobs_equal_a_forward_pass_of_the_saved_weights(node, finished_job) -> None:
     running, org, _config, _directory = node
     from transformers import AutoModelForCausalLM
 
@@ -222,13 +217,11 @@ async def test_served_logprobs_equal_a_forward_pass_of_the_saved_weights(
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
         logprobs = torch.log_softmax(model(input_ids=ids).logits.float(), dim=-1)
-    direct = [
-        float(logprobs[0, len(prompt) - 1 + i, token]) for i, token in enumerate(completion)
-    ]
+    direct = [float(logprobs[0, len(prompt) - 1 + i, token]) for i, token in enumerate(completion)]
     assert served == pytest.approx(direct, abs=1e-4)
 
 
-async def test_a_deleted_checkpoint_gives_a_clear_error_and_the_server_goes_on(
+def test_a_deleted_checkpoint_gives_a_clear_error_and_the_server_goes_on(
     node, finished_job
 ) -> None:
     running, org, _config, _directory = node
@@ -248,7 +241,7 @@ async def test_a_deleted_checkpoint_gives_a_clear_error_and_the_server_goes_on(
     assert infer.returncode == 1 and "files are gone" in infer.stderr
 
 
-async def test_other_orgs_and_bad_tokens_see_nothing(node, finished_job) -> None:
+def test_other_orgs_and_bad_tokens_see_nothing(node, finished_job) -> None:
     running, _org, _config, _directory = node
     stranger = running.create_org(unique_id("stranger"))
     url = running.url("checkpoint-server")
@@ -266,7 +259,7 @@ async def test_other_orgs_and_bad_tokens_see_nothing(node, finished_job) -> None
         assert response.status_code == 401
 
 
-async def test_cli_failures_are_one_line_a_user_can_act_on(node, tmp_path) -> None:
+def test_cli_failures_are_one_line_a_user_can_act_on(node, tmp_path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text('[model]\nsource = "x"\n[task_app]\nname = "copy"\n[training]\nsteps = -1\n')
     result = cli(node, "job", "start", str(bad))
