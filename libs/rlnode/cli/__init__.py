@@ -1,5 +1,6 @@
 """The `rlnode` command line.
 
+rlnode demo                   bring a node up, train, ask the checkpoint, shut down
 rlnode doctor                 check the node's plumbing on the embedded defaults
 rlnode broker                 run the embedded broker in the foreground
 rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
@@ -22,8 +23,10 @@ from rlnode import __version__
 from rlnode.bus import BusError
 from rlnode.cli import job, node, taskapp, vault
 from rlnode.localbroker import BrokerBinaryMissing, BrokerStartError
+from rlnode.process import ServiceFailed
 from rlnode.sdk.checkpoints import CheckpointError
 from rlnode.sdk.gateway import GatewayError
+from rlnode.sdk.jobs import JobError
 from rlnode.sdk.vault import VaultError
 
 
@@ -49,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
         GatewayError,
         CheckpointError,
         job.CliError,
+        JobError,
+        ServiceFailed,
     ) as e:
         print(f"rlnode: {e}", file=sys.stderr)
         return 1

@@ -95,7 +95,21 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+def _demo(args: argparse.Namespace) -> int:
+    from rlnode.demo import run_demo
+
+    return run_demo(steps=args.steps, data_dir=args.data_dir)
+
+
 def register(commands: argparse._SubParsersAction) -> None:
+    demo = commands.add_parser(
+        "demo", help="bring a node up, train the tiny model on the copy task, ask it, shut down"
+    )
+    demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    demo.add_argument(
+        "--data-dir", type=Path, default=None, help="default: $RLNODE_DATA_DIR/demo/<time>"
+    )
+    demo.set_defaults(run=_demo)
     doctor = commands.add_parser("doctor", help="check broker, topics, bus, database and services")
     doctor.set_defaults(run=_doctor)
 

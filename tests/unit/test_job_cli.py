@@ -1,0 +1,87 @@
+"""The pieces of `rlnode job` that need no node: when a job is over, the progress line,
+the config loader's errors, the charts."""
+
+from __future__ import annotations
+
+import io
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from rlnode.cli.job import CliError, Progress, _config, terminal_curve, write_plot
+from rlnode.messages import JobEvent, JobEventType
+from rlnode.sdk.jobs import ends_the_job, load_config
+
+
+def event(kind: JobEventType, at: float = 0.0, **data) -> JobEvent:
+    return JobEvent(
+        job_id="job-1",
+        org_id="org-1",
+        type=kind,
+        source="learner",
+        message=kind.value,
+        data={"reason": "r", **data}
+        if kind in (JobEventType.REJECTED, JobEventType.FAILED, JobEventType.CANCELLED)
+        else data,
+        ts=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=at),
+    )
+
+
+def test_what_ends_a_job() -> None:
+    assert ends_the_job(event(JobEventType.COMPLETED), accepted=True)
+    assert ends_the_job(event(JobEventType.FAILED), accepted=True)
+    assert ends_the_job(event(JobEventType.CANCELLED), accepted=True)
+    assert ends_the_job(event(JobEventType.REJECTED), accepted=False)
+    # A refused cancel, or a rejection after acceptance, leaves the job running.
+    assert not ends_the_job(event(JobEventType.REJECTED, action="cancel"), accepted=False)
+    assert not ends_the_job(event(JobEventType.REJECTED), accepted=True)
+    assert not ends_the_job(event(JobEventType.STARTED), accepted=True)
+
+
+def test_the_progress_line_has_step_reward_loss_staleness_and_eta() -> None:
+    out = io.StringIO()
+    progress = Progress(out)
+    common = {
+        "total_steps": 10,
+        "loss": -0.01,
+        "reward_std": 0.1,
+        "kl": None,
+        "clip_fraction": 0.0,
+        "staleness_min": 0,
+        "staleness_mean": 0.5,
+        "staleness_max": 1,
+        "tokens_per_s": 100.0,
+        "wait_s": 1.0,
+        "compute_s": 0.1,
+    }
+    progress.step(event(JobEventType.TRAIN_STEP, 0, step=1, reward_mean=0.1, **common))
+    progress.step(event(JobEventType.TRAIN_STEP, 30, step=4, reward_mean=0.25, **common))
+    last = out.getvalue().splitlines()[-1]
+    assert "4/10" in last and "reward 0.250" in last and "loss -0.0100" in last
+    assert "staleness 0.5" in last and "ETA 1m00s" in last  # 3 steps in 30 s, 6 to go
+
+
+def test_config_errors_name_the_field(tmp_path) -> None:
+    bad = tmp_path / "job.toml"
+    bad.write_text('[model]\nsource = "m"\n[task_app]\nname = "copy"\n[training]\ngroup_size = 1\n')
+    with pytest.raises(CliError, match=r"training\.group_size"):
+        _config(str(bad))
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[model\n")
+    with pytest.raises(CliError, match="cannot be read"):
+        _config(str(broken))
+    good = tmp_path / "job.json"
+    good.write_text('{"model": {"source": "m"}, "task_app": {"name": "copy"}}')
+    assert load_config(good).training.group_size == 4
+
+
+def test_charts(tmp_path) -> None:
+    rows = [
+        {"step": i, "reward_mean": i / 10, "reward_std": 0.05, "loss": -i / 100}
+        for i in range(1, 11)
+    ]
+    path = write_plot(rows, tmp_path / "plot.png", "job-1")
+    assert path.read_bytes()[:4] == b"\x89PNG"
+    chart = terminal_curve([r["reward_mean"] for r in rows], width=10, height=4)
+    lines = chart.splitlines()
+    assert len(lines) == 4 and "1.000" in lines[0] and "0.100" in lines[-1]
