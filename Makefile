@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH   ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 
-.PHONY: setup test test-unit lint format proto proto-check doctor fuzz-vault bench bench-engine bench-async clean
+.PHONY: setup test test-unit lint format proto proto-check doctor demo fuzz-vault bench bench-engine bench-async clean
 
 setup: $(STAMP)
 
@@ -55,6 +55,10 @@ bench-async: setup
 
 doctor: setup
 	$(BIN)/rlnode doctor
+
+# The whole product in one command: node up, org, sealed key, Task App, a job, inference, down.
+demo: setup
+	$(BIN)/rlnode demo
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache build *.egg-info libs/*.egg-info

@@ -81,18 +81,13 @@ def run_demo(steps: int = 60, data_dir: Path | None = None) -> int:
             )
         say("")
         say("What to try next:")
+        say(f"  open {png}")
+        say("  rlnode demo --steps 120                    a longer run: the reward climbs past 0.6")
         say(
             "  make test                                  the test suite (real broker, services, databases)"
         )
-        say(
-            "  rlnode job start CONFIG.toml --watch       your own job (see README: config reference)"
-        )
-        say(
-            "  rlnode taskapp register NAME --command ... your own Task App (docs/taskapp-contract.md)"
-        )
-        say(
-            "  openai.OpenAI(base_url=http://127.0.0.1:8750/v1, api_key=$RLNODE_TOKEN)  any checkpoint"
-        )
+        say("  your own Task App: docs/taskapp-contract.md and examples/taskapps/")
+        say("  your own job on a running node: rlnode job start CONFIG.toml --watch (README)")
         say("shutting the node down ...")
     say(f"done in {time.perf_counter() - started:.0f}s")
     return 0
