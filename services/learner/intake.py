@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from learner.settings import LearnerSettings
 from rlnode.auth import AuthError, Scope, TokenVerifier
 from rlnode.messages import JobConfig, JobRequest
+from rlnode.plan import PlanError, make_plan
 from rlnode.sdk.gateway import GatewayClient, GatewayError
 from rlnode.sdk.vault import VaultClient, VaultError
 
@@ -46,28 +47,12 @@ class JobIntake:
         return await asyncio.to_thread(self._check_dependencies, request.org_id, request.config)
 
     def check_plan(self, config: JobConfig) -> Verdict:
-        topology = config.topology
-        wanted = [v for v in (topology.inference_gpus, topology.training_gpus) if v != "auto"]
-        total = sum(wanted)
-        visible = self.settings.visible_gpus
-        if total > visible:
-            return Verdict(
-                False,
-                f"the GPU plan asks for {total} GPU(s) (inference {topology.inference_gpus}, training "
-                f"{topology.training_gpus}) but this node has {visible}; use 'auto' or at most {visible} in all",
-            )
-        inference = topology.inference_gpus
-        if inference != "auto" and inference > 0 and inference % topology.tensor_parallel:
-            return Verdict(
-                False,
-                f"tensor_parallel {topology.tensor_parallel} does not divide {inference} inference GPU(s); "
-                f"use a tensor_parallel that divides it",
-            )
-        if topology.reference == "dedicated" and (visible == 0 or total >= visible):
-            return Verdict(
-                False,
-                "a dedicated reference GPU needs a GPU left over; use reference 'inference' or 'trainer'",
-            )
+        """The job's topology against this node's GPUs (rlnode.plan: the rules `rlnode plan`
+        prints)."""
+        try:
+            make_plan(self.settings.visible_gpus, config.topology)
+        except PlanError as e:
+            return Verdict(False, f"the GPU plan does not fit this node: {e}")
         return Verdict(True)
 
     def _check_dependencies(self, org_id: str, config: JobConfig) -> Verdict:

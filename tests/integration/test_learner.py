@@ -215,7 +215,7 @@ async def test_bad_requests_are_rejected_and_the_learner_keeps_serving(
             config.model_copy(
                 update={"topology": config.topology.model_copy(update={"training_gpus": 4})}
             ),
-            "asks for 4 GPU(s)",
+            "no GPU is visible",
         ),
         "other-org": (other_token, config, "cannot act on org"),
         "bad-token": ("rln1.garbage.token", config, "token was refused"),

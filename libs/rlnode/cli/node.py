@@ -101,7 +101,55 @@ def _demo(args: argparse.Namespace) -> int:
     return run_demo(steps=args.steps, data_dir=args.data_dir)
 
 
+def _visible_gpus() -> int:
+    try:
+        import torch
+
+        return torch.cuda.device_count()
+    except Exception:
+        return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from rlnode.messages.config import TopologySpec
+    from rlnode.plan import PlanError, make_plan, plan_table
+
+    gpus = _visible_gpus() if args.gpus is None else args.gpus
+    try:
+        topology = TopologySpec(
+            inference_gpus=args.inference_gpus,
+            training_gpus=args.training_gpus,
+            tensor_parallel=args.tensor_parallel,
+            reference=args.reference,
+        )
+        plan = make_plan(gpus, topology)
+    except ValidationError as e:
+        print(f"rlnode: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}", file=sys.stderr)
+        return 1
+    except PlanError as e:
+        print(f"rlnode: no plan for {gpus} GPU(s): {e}", file=sys.stderr)
+        return 1
+    print(f"plan for {gpus} GPU(s):")
+    print(plan_table(plan))
+    return 0
+
+
+def _count(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def register(commands: argparse._SubParsersAction) -> None:
+    plan = commands.add_parser("plan", help="how the GPUs are split between inference and training")
+    plan.add_argument("--gpus", type=int, default=None, help="default: the GPUs torch sees")
+    plan.add_argument("--inference-gpus", type=_count, default="auto")
+    plan.add_argument("--training-gpus", type=_count, default="auto")
+    plan.add_argument("--tensor-parallel", type=int, default=1)
+    plan.add_argument(
+        "--reference", choices=["auto", "inference", "trainer", "dedicated", "none"], default="auto"
+    )
+    plan.set_defaults(run=_plan)
     demo = commands.add_parser(
         "demo", help="bring a node up, train the tiny model on the copy task, ask it, shut down"
     )

@@ -1,0 +1,211 @@
+"""The GPU plan (DESIGN.md §5): a pure function from the visible GPUs and a job's topology to
+which GPUs each inference engine gets (tensor-parallel groups), which the learner trains on
+(data parallel), and where the reference model lives. Impossible requests raise PlanError
+with what would fit.
+
+`auto` rules: 0 GPUs runs everything on the CPU; 1 GPU is shared by inference and training
+(with a stated memory split); otherwise a quarter of the GPUs train (at least one) and the
+rest infer: 8 -> 6/2, 4 -> 3/1, 2 -> 1/1. With tensor parallelism the inference GPUs are
+rounded down to a multiple of it and the remainder trains. The reference goes on an
+inference GPU when there is one (its logprobs arrive with the trajectories), on the trainer
+otherwise."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from rlnode.messages.config import TopologySpec
+
+Placement = Literal["inference", "trainer", "dedicated", "none"]
+
+# One shared GPU: vLLM's gpu_memory_utilization, the rest for the trainer (and reference).
+SHARED_INFERENCE_FRACTION = 0.45
+
+
+class PlanError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class GpuPlan:
+    visible: int
+    engines: list[list[int]]  # one list of GPU indices per inference engine (tensor parallel)
+    training: list[int]  # data-parallel ranks
+    reference: Placement
+    reference_gpus: list[int] = field(default_factory=list)
+    shared: bool = False  # one GPU for both sides
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def cpu_only(self) -> bool:
+        return self.visible == 0
+
+    @property
+    def inference_gpus(self) -> list[int]:
+        return [g for engine in self.engines for g in engine]
+
+    @property
+    def tensor_parallel(self) -> int:
+        return len(self.engines[0]) if self.engines else 1
+
+    def learner_devices(self) -> str:
+        """LEARNER_DEVICES for this plan (with CUDA_VISIBLE_DEVICES set to the same GPUs,
+        the learner numbers them from 0)."""
+        if self.cpu_only:
+            return "cpu"
+        return ",".join(f"cuda:{i}" for i in range(len(self.training)))
+
+    def rows(self) -> list[tuple[str, str, str]]:
+        """(role, GPUs, what runs there), for the table `rlnode plan` prints."""
+        if self.cpu_only:
+            return [
+                ("inference", "cpu", "1 torch engine"),
+                ("training", "cpu", "1 rank"),
+                ("reference", "cpu" if self.reference != "none" else "-", self.reference),
+            ]
+        rows = [
+            (
+                f"inference engine {i}",
+                ",".join(map(str, gpus)),
+                f"vLLM, tensor parallel {len(gpus)}"
+                + (f", {SHARED_INFERENCE_FRACTION:.0%} of memory" if self.shared else ""),
+            )
+            for i, gpus in enumerate(self.engines)
+        ]
+        rows.append(
+            (
+                "training",
+                ",".join(map(str, self.training)),
+                f"{len(self.training)} data-parallel rank(s)"
+                + (f", {1 - SHARED_INFERENCE_FRACTION:.0%} of memory" if self.shared else ""),
+            )
+        )
+        where = {
+            "inference": "stacked on the first inference engine (logprobs come with trajectories)",
+            "trainer": "beside the policy on the training GPU(s)",
+            "dedicated": "its own GPU",
+            "none": "no reference model (no KL term)",
+        }[self.reference]
+        rows.append(("reference", ",".join(map(str, self.reference_gpus)) or "-", where))
+        return rows
+
+
+def _auto_split(available: int, tp: int) -> tuple[int, int]:
+    training = max(1, available // 4)
+    inference = (available - training) // tp * tp
+    if inference == 0:
+        raise PlanError(
+            f"{available} GPU(s) leave no room for an inference engine of tensor parallel {tp} "
+            f"beside training; use --tensor-parallel {max(1, available - 1)} or fewer, or more GPUs"
+        )
+    return inference, available - inference
+
+
+def make_plan(visible: int, topology: TopologySpec | None = None) -> GpuPlan:
+    topology = topology or TopologySpec()
+    if visible < 0:
+        raise PlanError("the number of GPUs cannot be negative")
+    tp, reference = topology.tensor_parallel, topology.reference
+    inference, training = topology.inference_gpus, topology.training_gpus
+    if visible == 0:
+        asked = [v for v in (inference, training) if v not in ("auto", 0)]
+        if asked or tp > 1 or reference in ("inference", "dedicated"):
+            raise PlanError(
+                "no GPU is visible, so everything runs on the CPU: leave inference_gpus, "
+                "training_gpus and tensor_parallel at auto/1, and the reference at auto, "
+                "trainer or none"
+            )
+        return GpuPlan(
+            0,
+            [],
+            [],
+            "none" if reference == "none" else "trainer",
+            notes=["no GPU: the torch engine and the trainer run on the CPU"],
+        )
+    if visible == 1 and inference in ("auto", 1) and training in ("auto", 1):
+        if tp > 1:
+            raise PlanError("1 GPU cannot hold a tensor-parallel engine; use tensor_parallel 1")
+        if reference == "dedicated":
+            raise PlanError(
+                "a dedicated reference needs a GPU of its own and 1 GPU is shared already; "
+                "use reference 'inference' or 'trainer'"
+            )
+        return GpuPlan(
+            1,
+            [[0]],
+            [0],
+            "inference" if reference == "auto" else reference,
+            [0] if reference in ("auto", "inference", "trainer") else [],
+            shared=True,
+            notes=[
+                f"one GPU shared: vLLM takes {SHARED_INFERENCE_FRACTION:.0%} of its memory "
+                "(gpu_memory_utilization), the trainer the rest"
+            ],
+        )
+    dedicated = 1 if reference == "dedicated" else 0
+    budget = visible - dedicated
+    if inference == "auto" and training == "auto":
+        if budget < 2:
+            raise PlanError(
+                f"a dedicated reference on {visible} GPU(s) leaves {budget} for inference and "
+                "training, which need one each; use reference 'inference' or 'trainer', or "
+                "more GPUs"
+            )
+        inference, training = _auto_split(budget, tp)
+    elif inference == "auto":
+        inference = (budget - training) // tp * tp
+    elif training == "auto":
+        training = budget - inference
+    if inference < 1 or training < 1:
+        raise PlanError(
+            f"inference gets {inference} and training {training} GPU(s): each needs at least "
+            f"one on a GPU node; with {visible} visible, try " + _suggest(visible, tp, dedicated)
+        )
+    if inference % tp:
+        fits = [d for d in range(1, inference + 1) if inference % d == 0]
+        raise PlanError(
+            f"tensor parallel {tp} does not divide {inference} inference GPUs; use "
+            f"tensor_parallel in {fits}, or a multiple of {tp} inference GPUs"
+        )
+    total = inference + training + dedicated
+    if total > visible:
+        raise PlanError(
+            f"the plan asks for {total} GPUs (inference {inference}, training {training}"
+            + (", reference 1" if dedicated else "")
+            + f") but {visible} are visible; try "
+            + _suggest(visible, tp, dedicated)
+        )
+    gpus = list(range(visible))
+    engines = [gpus[i : i + tp] for i in range(0, inference, tp)]
+    trainer = gpus[inference : inference + training]
+    if reference == "auto":
+        reference = "inference"
+    reference_gpus = {
+        "inference": engines[0][:1],
+        "trainer": trainer,
+        "dedicated": gpus[inference + training : inference + training + 1],
+        "none": [],
+    }[reference]
+    notes = []
+    if total < visible:
+        notes.append(f"{visible - total} GPU(s) left unused")
+    return GpuPlan(visible, engines, trainer, reference, reference_gpus, notes=notes)
+
+
+def _suggest(visible: int, tp: int, dedicated: int) -> str:
+    try:
+        inference, training = _auto_split(visible - dedicated, tp)
+    except PlanError:
+        return "fewer GPUs per role, or tensor_parallel 1"
+    return f"inference_gpus {inference}, training_gpus {training} (what auto gives)"
+
+
+def plan_table(plan: GpuPlan) -> str:
+    rows = [("role", "GPUs", "what"), *plan.rows()]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    lines = [
+        "  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines + [f"note: {n}" for n in plan.notes])

@@ -1,0 +1,105 @@
+"""The GPU plan, rule by rule (DESIGN.md §5)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlnode.messages.config import TopologySpec
+from rlnode.plan import PlanError, make_plan, plan_table
+
+
+def topo(**kw) -> TopologySpec:
+    return TopologySpec(**kw)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "spec", "engines", "training", "reference", "reference_gpus"),
+    [
+        # auto: a quarter trains (at least one), the rest infers; reference stacked on inference
+        (8, {}, [[0], [1], [2], [3], [4], [5]], [6, 7], "inference", [0]),
+        (4, {}, [[0], [1], [2]], [3], "inference", [0]),
+        (2, {}, [[0]], [1], "inference", [0]),
+        # tensor parallel groups; the remainder trains
+        (8, {"tensor_parallel": 2}, [[0, 1], [2, 3], [4, 5]], [6, 7], "inference", [0]),
+        (8, {"tensor_parallel": 4}, [[0, 1, 2, 3]], [4, 5, 6, 7], "inference", [0]),
+        # explicit counts
+        (
+            8,
+            {"inference_gpus": 4, "training_gpus": 4},
+            [[0], [1], [2], [3]],
+            [4, 5, 6, 7],
+            "inference",
+            [0],
+        ),
+        (8, {"training_gpus": 3}, [[0], [1], [2], [3], [4]], [5, 6, 7], "inference", [0]),
+        (8, {"inference_gpus": 4}, [[0], [1], [2], [3]], [4, 5, 6, 7], "inference", [0]),
+        # reference placements
+        (8, {"reference": "trainer"}, [[0], [1], [2], [3], [4], [5]], [6, 7], "trainer", [6, 7]),
+        (8, {"reference": "dedicated"}, [[0], [1], [2], [3], [4], [5]], [6], "dedicated", [7]),
+        (8, {"reference": "none"}, [[0], [1], [2], [3], [4], [5]], [6, 7], "none", []),
+        (3, {"reference": "dedicated"}, [[0]], [1], "dedicated", [2]),
+    ],
+)
+def test_plans(gpus, spec, engines, training, reference, reference_gpus) -> None:
+    plan = make_plan(gpus, topo(**spec))
+    assert plan.engines == engines
+    assert plan.training == training
+    assert plan.reference == reference and plan.reference_gpus == reference_gpus
+    used = (
+        plan.inference_gpus
+        + plan.training
+        + (plan.reference_gpus if reference == "dedicated" else [])
+    )
+    assert len(used) == len(set(used)) and max(used) < gpus  # no GPU twice, none invented
+
+
+def test_one_gpu_is_shared_and_says_how() -> None:
+    plan = make_plan(1, topo())
+    assert plan.shared and plan.engines == [[0]] and plan.training == [0]
+    assert "45%" in plan_table(plan) and plan.learner_devices() == "cuda:0"
+
+
+def test_no_gpu_runs_on_the_cpu() -> None:
+    plan = make_plan(0, topo())
+    assert plan.cpu_only and plan.learner_devices() == "cpu" and plan.reference == "trainer"
+    assert "cpu" in plan_table(plan)
+
+
+def test_the_learner_numbers_its_gpus_from_zero() -> None:
+    assert make_plan(8, topo()).learner_devices() == "cuda:0,cuda:1"
+
+
+@pytest.mark.parametrize(
+    ("gpus", "spec", "says"),
+    [
+        (8, {"inference_gpus": 6, "training_gpus": 4}, "asks for 10 GPUs"),
+        (8, {"inference_gpus": 6, "training_gpus": 2, "tensor_parallel": 4}, "does not divide 6"),
+        (2, {"reference": "dedicated"}, r"dedicated reference on 2 GPU\(s\)"),
+        (1, {"reference": "dedicated"}, "needs a GPU of its own"),
+        (1, {"tensor_parallel": 2}, "cannot hold a tensor-parallel engine"),
+        (0, {"training_gpus": 2}, "no GPU is visible"),
+        (0, {"reference": "dedicated"}, "no GPU is visible"),
+        (8, {"inference_gpus": 8}, "training 0"),
+        (2, {"tensor_parallel": 2}, "no room for an inference engine"),
+    ],
+)
+def test_impossible_plans_say_what_would_fit(gpus, spec, says) -> None:
+    with pytest.raises(PlanError, match=says):
+        make_plan(gpus, topo(**spec))
+
+
+def test_a_message_suggests_a_plan_that_fits() -> None:
+    with pytest.raises(PlanError) as e:
+        make_plan(8, topo(inference_gpus=6, training_gpus=4))
+    assert "inference_gpus 6, training_gpus 2" in str(e.value)
+
+
+def test_rlnode_plan_prints_the_table_or_the_reason(capsys) -> None:
+    from rlnode.cli import main
+
+    assert main(["plan", "--gpus", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "inference engine 5" in out and "6,7" in out
+    assert main(["plan", "--gpus", "8", "--inference-gpus", "6", "--tensor-parallel", "4"]) == 1
+    assert "does not divide 6" in capsys.readouterr().err
+    assert main(["plan", "--gpus", "2", "--reference", "dedicated"]) == 1
