@@ -20,6 +20,7 @@ from pathlib import Path
 
 from bench_common import machine, write_results
 
+from rlnode.demo import copy_task_config
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.messages import JobConfig, JobEventType
 from rlnode.node import LocalNode, NodeOptions
@@ -29,21 +30,14 @@ MODES = (0, 1, 2)
 
 
 def job_config(model: Path, args, max_async: int) -> JobConfig:
-    return JobConfig.model_validate(
-        {
-            "model": {"source": str(model)},
-            "task_app": {"name": "copy", "env_config": {"length": 3, "alphabet": "abc"}},
-            "sampling": {"max_tokens": 6, "temperature": 1.0},
-            "training": {
-                "steps": args.steps,
-                "prompts_per_step": args.prompts,
-                "group_size": args.group,
-                "learning_rate": args.lr,
-                "max_async": max_async,
-                "weight_sync_every": 1,
-                "checkpoint_every": 1000,
-            },
-        }
+    return copy_task_config(
+        model,
+        args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group,
+        learning_rate=args.lr,
+        max_async=max_async,
+        checkpoint_every=1000,
     )
 
 

@@ -22,11 +22,12 @@ from rlnode.settings import NodeSettings
 QUIET = {JobEventType.WEIGHTS_PUBLISHED, JobEventType.WEIGHTS_LOADED, JobEventType.ROLLOUT_BATCH}
 
 
-def demo_config(model: Path, steps: int) -> JobConfig:
-    """The copy task on the tiny model: 8 prompts x 16 samples, GRPO, 1 step of staleness."""
+def copy_task_config(model: Path, steps: int, **training) -> JobConfig:
+    """The copy task (3 characters over "abc") on a local model: by default 8 prompts x 16
+    samples, GRPO at lr 7e-3, one step of staleness; `training` overrides any of it."""
     return JobConfig.model_validate(
         {
-            "name": "demo: copy task, tiny model",
+            "name": "copy task",
             "model": {"source": str(model)},
             "task_app": {"name": "copy", "env_config": {"length": 3, "alphabet": "abc"}},
             "sampling": {"max_tokens": 6, "temperature": 1.0},
@@ -37,6 +38,7 @@ def demo_config(model: Path, steps: int) -> JobConfig:
                 "learning_rate": 7e-3,
                 "max_async": 1,
                 "checkpoint_every": max(1, steps // 2),
+                **training,
             },
         }
     )
@@ -63,7 +65,7 @@ def run_demo(steps: int = 60, data_dir: Path | None = None) -> int:
             f"{verdict['accepts_key']['ok']}, refuses a wrong one {verdict['refuses_wrong_key']['ok']}"
         )
         model = init_tiny_model(root / "tiny-model", seed=0)
-        config = demo_config(model, steps)
+        config = copy_task_config(model, steps)
         say(f"4/6  starting a job: {steps} GRPO steps of 8 prompts x 16 samples on the tiny model")
         job_id, rows = asyncio.run(_train(node, org, config, say))
         say("5/6  reward against step")

@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlnode.bus import ensure_topics
 from rlnode.localbroker import LocalBroker, free_port
+from rlnode.plan import GpuPlan
 from rlnode.process import SERVICES_BY_NAME, ServiceProcess, ensure_local_credentials
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.vault import VaultClient
@@ -43,6 +47,53 @@ class NodeOptions:
         "learner",
         "checkpoint-server",
     )
+    # Fixed ports from here (vault +0, gateway +10, generators +20.., learner +30,
+    # checkpoint-server +40), so the CLI's defaults reach a node `rlnode up` started;
+    # None: free ports (tests, benchmarks).
+    port_base: int | None = None
+    # The GPU plan; None: everything on the CPU.
+    plan: GpuPlan | None = None
+
+
+PORT_OFFSETS = {
+    "credential-vault": 0,
+    "taskapp-gateway": 10,
+    "rollout-generator": 20,
+    "learner": 30,
+    "checkpoint-server": 40,
+}
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+def plan_env(plan: GpuPlan | None) -> tuple[list[dict[str, str]], dict[str, str], dict[str, str]]:
+    """Environment from the GPU plan: one dict per rollout-generator (engine), the learner's,
+    the checkpoint-server's. CUDA_VISIBLE_DEVICES confines each process to its GPUs."""
+    if plan is None or plan.cpu_only:
+        return [{}], {}, {}
+    generators = [
+        {
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
+            "GENERATOR_ENGINE": "vllm",
+            "GENERATOR_DEVICE": "cuda",
+            "GENERATOR_TENSOR_PARALLEL": str(len(gpus)),
+            "GENERATOR_REFERENCE_ON_INFERENCE": str(plan.reference == "inference").lower(),
+        }
+        for gpus in plan.engines
+    ]
+    learner = {
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.training)),
+        "LEARNER_DEVICES": plan.learner_devices(),
+        "LEARNER_VISIBLE_GPUS": str(plan.visible),
+    }
+    # Serving shares the last training GPU: inference on checkpoints mostly follows training.
+    serving = {
+        "CUDA_VISIBLE_DEVICES": str(plan.training[-1]),
+        "CHECKPOINT_SERVER_DEVICE": "cuda",
+    }
+    return generators, learner, serving
 
 
 @dataclass
@@ -59,6 +110,10 @@ class LocalNode:
         self.bootstrap = options.kafka_bootstrap or ""
         self.processes: dict[str, ServiceProcess] = {}
         self.admin_token = ""
+        self.restarts: dict[str, int] = {}
+        self._due: dict[str, float] = {}  # key -> when a dead service is started again
+        self._up_since: dict[str, float] = {}
+        self._streak: dict[str, int] = {}  # restarts without a minute up in between
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -91,9 +146,12 @@ class LocalNode:
                 },
             )
         gateway_url = self.url("taskapp-gateway") if "taskapp-gateway" in wanted else ""
+        generator_env, learner_env, serving_env = plan_env(self.options.plan)
+        if self.options.plan is None or self.options.plan.cpu_only:
+            generator_env = generator_env * self.options.generators
         if "rollout-generator" in wanted:
             token = self.service_token(["rollouts:run"], "rollout-generator")
-            for index in range(self.options.generators):
+            for index, env in enumerate(generator_env):
                 name = f"gen{index}"
                 self._service(
                     "rollout-generator",
@@ -101,8 +159,10 @@ class LocalNode:
                         "GENERATOR_GATEWAY_URL": gateway_url,
                         "GENERATOR_SERVICE_TOKEN": token,
                         "GENERATOR_GENERATOR_ID": name,
+                        **env,
                     },
                     instance=name,
+                    index=index,
                 )
         if "learner" in wanted:
             self._service(
@@ -113,19 +173,36 @@ class LocalNode:
                     "LEARNER_SERVICE_TOKEN": self.service_token(
                         ["taskapps:read", "secrets:read"], "learner"
                     ),
+                    **learner_env,
                 },
             )
         if "checkpoint-server" in wanted:
-            self._service("checkpoint-server", {"CHECKPOINT_SERVER_VAULT_URL": vault.url})
+            self._service(
+                "checkpoint-server", {"CHECKPOINT_SERVER_VAULT_URL": vault.url, **serving_env}
+            )
         for process in self.processes.values():
             process.wait_healthy(timeout_s=60)
 
-    def _service(self, name: str, env: dict[str, str], instance: str | None = None):
+    def _port(self, name: str, index: int) -> int:
+        if self.options.port_base is None:
+            return free_port()
+        port = self.options.port_base + PORT_OFFSETS[name] + index
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                raise PortInUse(
+                    f"port {port} ({name}) is in use: is a node up already (rlnode status)? "
+                    "Stop it with rlnode down, or pick other ports with --port-base"
+                ) from None
+        return port
+
+    def _service(self, name: str, env: dict[str, str], instance: str | None = None, index: int = 0):
         spec = SERVICES_BY_NAME[name]
         key = f"{name}/{instance}" if instance else name
         process = ServiceProcess(
             spec,
-            free_port(),
+            self._port(name, index),
             self.data_dir / "logs" / f"{key.replace('/', '-')}.log",
             env={
                 "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap,
@@ -140,6 +217,57 @@ class LocalNode:
         if name == "credential-vault":
             process.wait_healthy(timeout_s=60)  # the others need tokens from it
         return process
+
+    # -- supervision ----------------------------------------------------------------------
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """One round of supervision: a service that died is started again after a backoff
+        (0.5 s doubling to 30 s; the streak resets after a minute up). Returns what
+        happened, as log lines."""
+        now = time.monotonic() if now is None else now
+        said = []
+        for key, process in self.processes.items():
+            code = process.proc.poll() if process.proc else None
+            if code is None:
+                if now - self._up_since.setdefault(key, now) > 60:
+                    self._streak[key] = 0
+                continue
+            if key not in self._due:
+                delay = min(30.0, 0.5 * 2 ** self._streak.get(key, 0))
+                self._due[key] = now + delay
+                self._up_since.pop(key, None)
+                said.append(
+                    f"{key} exited with code {code}; starting it again in {delay:.1f}s "
+                    f"(log {process.log_path})"
+                )
+            elif now >= self._due[key]:
+                del self._due[key]
+                self._streak[key] = self._streak.get(key, 0) + 1
+                self.restarts[key] = self.restarts.get(key, 0) + 1
+                process.start()
+                said.append(
+                    f"{key} started again (pid {process.proc.pid}, restart {self.restarts[key]})"
+                )
+        return said
+
+    def state(self) -> dict:
+        """What `rlnode status` shows: each service's URL, pid, restarts and log."""
+        return {
+            "pid": os.getpid(),
+            "data_dir": str(self.data_dir),
+            "bootstrap": self.bootstrap,
+            "broker_pid": self.broker.pid if self.broker else None,
+            "services": {
+                key: {
+                    "url": p.url,
+                    "pid": p.proc.pid if p.proc else None,
+                    "running": bool(p.proc and p.proc.poll() is None),
+                    "restarts": self.restarts.get(key, 0),
+                    "log": str(p.log_path),
+                }
+                for key, p in self.processes.items()
+            },
+        }
 
     def stop(self) -> dict[str, int]:
         """Stop the services (consumers of others first), then the broker; exit codes."""

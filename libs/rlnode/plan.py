@@ -82,7 +82,7 @@ class GpuPlan:
             )
         )
         where = {
-            "inference": "stacked on the first inference engine (logprobs come with trajectories)",
+            "inference": "a frozen copy beside each engine (logprobs come with trajectories)",
             "trainer": "beside the policy on the training GPU(s)",
             "dedicated": "its own GPU",
             "none": "no reference model (no KL term)",
@@ -182,7 +182,7 @@ def make_plan(visible: int, topology: TopologySpec | None = None) -> GpuPlan:
     if reference == "auto":
         reference = "inference"
     reference_gpus = {
-        "inference": engines[0][:1],
+        "inference": [engine[0] for engine in engines],  # a copy beside every engine
         "trainer": trainer,
         "dedicated": gpus[inference + training : inference + training + 1],
         "none": [],

@@ -14,6 +14,7 @@ import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from rlnode.localbroker import LocalBroker
@@ -143,3 +144,32 @@ class ThreadedServer:
     def __exit__(self, *exc: object) -> None:
         self.server.should_exit = True
         self._thread.join(10)
+
+
+def processes_with(marker: str) -> list[int]:
+    """Pids of processes (other than this one) whose environment mentions `marker`: what a
+    test started under a temporary data directory and should have stopped."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if int(proc.name) != os.getpid() and marker.encode() in (proc / "environ").read_bytes():
+                found.append(int(proc.name))
+        except OSError:
+            continue
+    return found
+
+
+def free_port_block(offsets: tuple[int, ...] = (0, 10, 20, 30, 40)) -> int:
+    """A base port such that base + each offset is free on loopback now."""
+    import random
+
+    for _ in range(200):
+        base = random.randrange(20_000, 60_000)
+        try:
+            for offset in offsets:
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", base + offset))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no free block of ports found")

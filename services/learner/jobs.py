@@ -107,14 +107,7 @@ class JobManager:
     async def on_request(self, request: JobRequest, _delivery: Delivery) -> None:
         verdict = await self.intake.check(request)
         if not verdict.ok:
-            await self._event(
-                request.job_id,
-                request.org_id,
-                JobEventType.REJECTED,
-                verdict.reason,
-                # A refused cancel says so: watchers must not take it for the job's verdict.
-                {"reason": verdict.reason, "action": request.action.value},
-            )
+            await self._reject(request, verdict.reason)
             return
         if request.action == "cancel":
             await self._cancel(request)
@@ -125,9 +118,7 @@ class JobManager:
             reason = (
                 f"job id {request.job_id!r} was used already ({existing.status}); choose another"
             )
-            await self._event(
-                request.job_id, request.org_id, JobEventType.REJECTED, reason, {"reason": reason}
-            )
+            await self._reject(request, reason)
             return
         record = JobRecord(
             job_id=request.job_id,
@@ -227,13 +218,7 @@ class JobManager:
             record = s.get(JobRecord, request.job_id)
         if record is None or record.org_id != request.org_id:
             reason = f"no job {request.job_id!r} to cancel"
-            await self._event(
-                request.job_id,
-                request.org_id,
-                JobEventType.REJECTED,
-                reason,
-                {"reason": reason, "action": "cancel"},
-            )
+            await self._reject(request, reason)
         elif request.job_id in self.runners:
             runner = self.runners[request.job_id]
             runner.cancel_reason = request.reason or runner.cancel_reason
@@ -249,13 +234,7 @@ class JobManager:
             )
         else:
             reason = f"job {request.job_id!r} is {record.status} already; nothing to cancel"
-            await self._event(
-                request.job_id,
-                request.org_id,
-                JobEventType.REJECTED,
-                reason,
-                {"reason": reason, "action": "cancel"},
-            )
+            await self._reject(request, reason)
 
     # -- trajectories ---------------------------------------------------------------------
 
@@ -293,6 +272,16 @@ class JobManager:
             await self._consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in offsets.items()})
 
     # -- helpers -----------------------------------------------------------------------------
+
+    async def _reject(self, request: JobRequest, reason: str) -> None:
+        # A refused cancel says so: watchers must not take it for the job's verdict.
+        await self._event(
+            request.job_id,
+            request.org_id,
+            JobEventType.REJECTED,
+            reason,
+            {"reason": reason, "action": request.action.value},
+        )
 
     def _set(self, job_id: str, **changes) -> None:
         with session_scope(self.engine) as s:

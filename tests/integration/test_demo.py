@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from rlnode.testing import processes_with
+
 
 @pytest.mark.timeout(600)
 def test_the_demo_runs_end_to_end_and_leaves_nothing_running(tmp_path) -> None:
@@ -39,14 +41,3 @@ def test_the_demo_runs_end_to_end_and_leaves_nothing_running(tmp_path) -> None:
     assert png.read_bytes()[:4] == b"\x89PNG" and str(png) in out
     # Every service and the broker stopped: no process left with the demo's environment.
     assert processes_with(str(tmp_path)) == []
-
-
-def processes_with(marker: str) -> list[int]:
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if marker.encode() in (proc / "environ").read_bytes() and int(proc.name) != os.getpid():
-                found.append(int(proc.name))
-        except OSError:
-            continue
-    return found

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlnode import topics
+from rlnode.demo import copy_task_config
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.localbroker import free_port
 from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest
@@ -100,22 +101,10 @@ def child_commands(pid: int) -> list[str]:
 
 
 def copy_config(model: Path, steps: int, **training) -> JobConfig:
-    return JobConfig.model_validate(
-        {
-            "model": {"source": str(model)},
-            "task_app": {"name": "copy", "env_config": {"length": 3, "alphabet": "abc"}},
-            "sampling": {"max_tokens": 6, "temperature": 1.0},
-            "training": {
-                "steps": steps,
-                "prompts_per_step": 8,
-                "group_size": 8,
-                "learning_rate": 5e-3,
-                "max_async": 1,
-                "weight_sync_every": 1,
-                "checkpoint_every": 10,
-                **training,
-            },
-        }
+    return copy_task_config(
+        model,
+        steps,
+        **{"group_size": 8, "learning_rate": 5e-3, "checkpoint_every": 10, **training},
     )
 
 

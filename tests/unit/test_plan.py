@@ -16,11 +16,11 @@ def topo(**kw) -> TopologySpec:
     ("gpus", "spec", "engines", "training", "reference", "reference_gpus"),
     [
         # auto: a quarter trains (at least one), the rest infers; reference stacked on inference
-        (8, {}, [[0], [1], [2], [3], [4], [5]], [6, 7], "inference", [0]),
-        (4, {}, [[0], [1], [2]], [3], "inference", [0]),
+        (8, {}, [[0], [1], [2], [3], [4], [5]], [6, 7], "inference", [0, 1, 2, 3, 4, 5]),
+        (4, {}, [[0], [1], [2]], [3], "inference", [0, 1, 2]),
         (2, {}, [[0]], [1], "inference", [0]),
         # tensor parallel groups; the remainder trains
-        (8, {"tensor_parallel": 2}, [[0, 1], [2, 3], [4, 5]], [6, 7], "inference", [0]),
+        (8, {"tensor_parallel": 2}, [[0, 1], [2, 3], [4, 5]], [6, 7], "inference", [0, 2, 4]),
         (8, {"tensor_parallel": 4}, [[0, 1, 2, 3]], [4, 5, 6, 7], "inference", [0]),
         # explicit counts
         (
@@ -29,10 +29,17 @@ def topo(**kw) -> TopologySpec:
             [[0], [1], [2], [3]],
             [4, 5, 6, 7],
             "inference",
-            [0],
+            [0, 1, 2, 3],
         ),
-        (8, {"training_gpus": 3}, [[0], [1], [2], [3], [4]], [5, 6, 7], "inference", [0]),
-        (8, {"inference_gpus": 4}, [[0], [1], [2], [3]], [4, 5, 6, 7], "inference", [0]),
+        (
+            8,
+            {"training_gpus": 3},
+            [[0], [1], [2], [3], [4]],
+            [5, 6, 7],
+            "inference",
+            [0, 1, 2, 3, 4],
+        ),
+        (8, {"inference_gpus": 4}, [[0], [1], [2], [3]], [4, 5, 6, 7], "inference", [0, 1, 2, 3]),
         # reference placements
         (8, {"reference": "trainer"}, [[0], [1], [2], [3], [4], [5]], [6, 7], "trainer", [6, 7]),
         (8, {"reference": "dedicated"}, [[0], [1], [2], [3], [4], [5]], [6], "dedicated", [7]),

@@ -1,6 +1,8 @@
 """The `rlnode` command line.
 
 rlnode demo                   bring a node up, train, ask the checkpoint, shut down
+rlnode up | status | down     run a node (supervised), look at it, stop it
+rlnode plan --gpus N          how the GPUs are split
 rlnode doctor                 check the node's plumbing on the embedded defaults
 rlnode broker                 run the embedded broker in the foreground
 rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
@@ -23,11 +25,14 @@ from rlnode import __version__
 from rlnode.bus import BusError
 from rlnode.cli import job, node, taskapp, vault
 from rlnode.localbroker import BrokerBinaryMissing, BrokerStartError
+from rlnode.node import PortInUse
+from rlnode.plan import PlanError
 from rlnode.process import ServiceFailed
 from rlnode.sdk.checkpoints import CheckpointError
 from rlnode.sdk.gateway import GatewayError
 from rlnode.sdk.jobs import JobError
 from rlnode.sdk.vault import VaultError
+from rlnode.supervisor import SupervisorError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         job.CliError,
         JobError,
         ServiceFailed,
+        SupervisorError,
+        PortInUse,
+        PlanError,
     ) as e:
         print(f"rlnode: {e}", file=sys.stderr)
         return 1

@@ -140,15 +140,64 @@ def _count(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
 
-def register(commands: argparse._SubParsersAction) -> None:
-    plan = commands.add_parser("plan", help="how the GPUs are split between inference and training")
-    plan.add_argument("--gpus", type=int, default=None, help="default: the GPUs torch sees")
-    plan.add_argument("--inference-gpus", type=_count, default="auto")
-    plan.add_argument("--training-gpus", type=_count, default="auto")
-    plan.add_argument("--tensor-parallel", type=int, default=1)
-    plan.add_argument(
+def _up(args: argparse.Namespace) -> int:
+    from rlnode.messages.config import TopologySpec
+    from rlnode.supervisor import run_up
+
+    gpus = _visible_gpus() if args.gpus is None else args.gpus
+    topology = TopologySpec(
+        inference_gpus=args.inference_gpus,
+        training_gpus=args.training_gpus,
+        tensor_parallel=args.tensor_parallel,
+        reference=args.reference,
+    )
+    return run_up(gpus, port_base=args.port_base, topology=topology)
+
+
+def _status(_args: argparse.Namespace) -> int:
+    from rlnode.supervisor import status
+
+    rows = status()
+    print(f"{'SERVICE':<30} {'HEALTHY':<8} {'PID':>8} {'RESTARTS':>8}  URL")
+    for r in rows:
+        print(
+            f"{r['service']:<30} {'yes' if r['healthy'] else 'NO':<8} {r['pid'] or '-':>8} "
+            f"{r['restarts']:>8}  {r['url']}"
+        )
+    return 0 if all(r["healthy"] for r in rows) else 1
+
+
+def _down(_args: argparse.Namespace) -> int:
+    from rlnode.supervisor import down
+
+    pid = down()
+    print(f"node stopped (supervisor pid {pid})")
+    return 0
+
+
+def _topology_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpus", type=int, default=None, help="default: the GPUs torch sees")
+    parser.add_argument("--inference-gpus", type=_count, default="auto")
+    parser.add_argument("--training-gpus", type=_count, default="auto")
+    parser.add_argument("--tensor-parallel", type=int, default=1)
+    parser.add_argument(
         "--reference", choices=["auto", "inference", "trainer", "dedicated", "none"], default="auto"
     )
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    up = commands.add_parser(
+        "up", help="run the node in the foreground until rlnode down or Ctrl-C"
+    )
+    _topology_arguments(up)
+    up.add_argument("--port-base", type=int, default=8710, help="vault +0, gateway +10, ... (8710)")
+    up.set_defaults(run=_up)
+    commands.add_parser("status", help="the node's services: health, pid, restarts").set_defaults(
+        run=_status
+    )
+    commands.add_parser("down", help="stop the node rlnode up started").set_defaults(run=_down)
+    plan = commands.add_parser("plan", help="how the GPUs are split between inference and training")
+    _topology_arguments(plan)
     plan.set_defaults(run=_plan)
     demo = commands.add_parser(
         "demo", help="bring a node up, train the tiny model on the copy task, ask it, shut down"
