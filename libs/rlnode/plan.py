@@ -209,3 +209,56 @@ def plan_table(plan: GpuPlan) -> str:
     ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines + [f"note: {n}" for n in plan.notes])
+
+
+BASE_COMPOSE_GENERATORS = 6  # compose.yaml carries the default 8-GPU plan: six engines
+
+
+def compose_gpu_services(plan: GpuPlan) -> dict[str, dict]:
+    """The GPU-bearing services of compose.yaml for this plan: one rollout-generator per
+    engine, the learner, the checkpoint-server; each with its device reservation and the
+    settings the plan implies. Inside a container the reserved GPUs are numbered from 0."""
+
+    def gpus(ids: list[int]) -> dict:
+        return {
+            "resources": {
+                "reservations": {
+                    "devices": [
+                        {
+                            "driver": "nvidia",
+                            "device_ids": [str(i) for i in ids],
+                            "capabilities": ["gpu"],
+                        }
+                    ]
+                }
+            }
+        }
+
+    services: dict[str, dict] = {}
+    for index, engine in enumerate(plan.engines):
+        name = f"rollout-generator-{index}"
+        services[name] = {
+            "environment": {
+                "GENERATOR_GENERATOR_ID": f"gen{index}",
+                "GENERATOR_PUBLIC_URL": f"http://{name}:8730",
+                "GENERATOR_ENGINE": "vllm",
+                "GENERATOR_DEVICE": "cuda",
+                "GENERATOR_TENSOR_PARALLEL": str(len(engine)),
+                "GENERATOR_REFERENCE_ON_INFERENCE": str(plan.reference == "inference").lower(),
+            },
+            "deploy": gpus(engine),
+        }
+    for index in range(len(plan.engines), BASE_COMPOSE_GENERATORS):
+        services[f"rollout-generator-{index}"] = {"deploy": {"replicas": 0}}
+    services["learner"] = {
+        "environment": {
+            "LEARNER_DEVICES": plan.learner_devices(),
+            "LEARNER_VISIBLE_GPUS": str(plan.visible),
+        },
+        "deploy": gpus(plan.training),
+    }
+    services["checkpoint-server"] = {
+        "environment": {"CHECKPOINT_SERVER_DEVICE": "cuda"},
+        "deploy": gpus(plan.training[-1:]),
+    }
+    return services

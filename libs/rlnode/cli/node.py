@@ -131,6 +131,28 @@ def _plan(args: argparse.Namespace) -> int:
     except PlanError as e:
         print(f"rlnode: no plan for {gpus} GPU(s): {e}", file=sys.stderr)
         return 1
+    if args.emit == "compose":
+        import yaml
+
+        from rlnode.plan import compose_gpu_services
+
+        if plan.cpu_only:
+            print(
+                "rlnode: compose.yaml is the GPU node's shape; with no GPU use rlnode up",
+                file=sys.stderr,
+            )
+            return 1
+        header = (
+            f"# GPU overrides for {gpus} GPU(s), from `rlnode plan --gpus {gpus} --emit compose`.\n"
+            "# docker compose -f compose.yaml -f THIS_FILE up -d\n"
+        )
+        body = yaml.safe_dump({"services": compose_gpu_services(plan)}, sort_keys=False)
+        if len(plan.engines) > 6:
+            body += (
+                "# more than six engines: copy rollout-generator-5 in compose.yaml for the rest\n"
+            )
+        print(header + body, end="")
+        return 0
     print(f"plan for {gpus} GPU(s):")
     print(plan_table(plan))
     return 0
@@ -198,6 +220,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     commands.add_parser("down", help="stop the node rlnode up started").set_defaults(run=_down)
     plan = commands.add_parser("plan", help="how the GPUs are split between inference and training")
     _topology_arguments(plan)
+    plan.add_argument(
+        "--emit", choices=["table", "compose"], default="table", help="compose: GPU overrides"
+    )
     plan.set_defaults(run=_plan)
     demo = commands.add_parser(
         "demo", help="bring a node up, train the tiny model on the copy task, ask it, shut down"
