@@ -85,3 +85,16 @@ def test_charts(tmp_path) -> None:
     chart = terminal_curve([r["reward_mean"] for r in rows], width=10, height=4)
     lines = chart.splitlines()
     assert len(lines) == 4 and "1.000" in lines[0] and "0.100" in lines[-1]
+
+
+def test_the_readme_config_reference_is_a_valid_config() -> None:
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from rlnode.messages import JobConfig
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    (block,) = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+    config = JobConfig.model_validate(tomllib.loads(block))
+    assert config.training.group_size == 16 and config.topology.reference == "auto"
