@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH   ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 
-.PHONY: setup test test-unit lint format proto proto-check doctor demo fuzz-vault bench bench-engine bench-async clean
+.PHONY: setup test test-unit lint format proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport clean
 
 setup: $(STAMP)
 
@@ -52,13 +52,19 @@ fuzz-vault: setup
 	$(BIN)/python tools/fuzz_vault.py --max-examples 50
 
 # Benchmarks write JSON and a markdown table to bench/results/.
-bench: bench-engine bench-async
+bench: bench-engine bench-async bench-overhead bench-transport
 
 bench-engine: setup
 	$(BIN)/python bench/engine_batching.py
 
 bench-async: setup
 	$(BIN)/python bench/async_modes.py
+
+bench-overhead: setup
+	$(BIN)/python bench/overhead.py
+
+bench-transport: setup
+	$(BIN)/python bench/transport.py
 
 doctor: setup
 	$(BIN)/rlnode doctor

@@ -1,0 +1,119 @@
+"""B3 — what the services cost: the same training (tiny model, copy task, same config) run
+through the full node (broker, gateway, Task App process, generator, learner) and in one
+process (bench/inprocess.py: the same engine, GRPO code and trainer, reward in-process),
+interleaved in one invocation. Writes bench/results/overhead.{json,md}.
+
+    python bench/overhead.py [--steps 10] [--prompts 8] [--group 8] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from async_modes import run_job
+from bench_common import machine, write_results
+from inprocess import LoopConfig, run_loop
+
+from rlnode.demo import copy_task_config
+from rlnode.engine.tiny import init_tiny_model
+from rlnode.node import LocalNode, NodeOptions
+from rlnode.sdk.jobs import JobsClient
+
+
+def inprocess_rate(model: Path, args, scratch: Path) -> float:
+    cfg = LoopConfig(
+        steps=args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group,
+        learning_rate=args.lr,
+        max_async=args.max_async,
+    )
+    records = asyncio.run(run_loop(model, cfg, scratch))
+    per_step = args.prompts * args.group
+    # Like the services' figure: from the first step's end to the last's.
+    return per_step * (len(records) - 1) / (records[-1].elapsed_s - records[0].elapsed_s)
+
+
+async def services_rate(jobs: JobsClient, model: Path, args) -> float:
+    config = copy_task_config(
+        model,
+        args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group,
+        learning_rate=args.lr,
+        max_async=args.max_async,
+        checkpoint_every=1000,
+    )
+    return (await run_job(jobs, config))["samples_per_s"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--max-async", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    runs: dict[str, list[float]] = {"services": [], "in-process": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_tiny_model(Path(tmp) / "tiny", seed=0)
+        with LocalNode(
+            NodeOptions(
+                data_dir=Path(tmp) / "node",
+                services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
+                env={
+                    "rollout-generator": {
+                        "GENERATOR_CONCURRENCY": "256",
+                        "GENERATOR_MAX_BATCH_SIZE": "256",
+                    }
+                },
+            )
+        ) as node:
+            org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"k-{time.time_ns()}"})
+            node.register_example_task_app(org, "copy", "copy_task")
+
+            async def services_round() -> float:
+                async with JobsClient(org.org_id, org.token, node.kafka_settings()) as jobs:
+                    return await services_rate(jobs, model, args)
+
+            asyncio.run(services_round())  # warm-up: the generator loads the model
+            for round_ in range(args.repeats):
+                runs["services"].append(asyncio.run(services_round()))
+                runs["in-process"].append(inprocess_rate(model, args, Path(tmp)))
+                print(
+                    f"round {round_ + 1}: services {runs['services'][-1]:.1f}, in-process "
+                    f"{runs['in-process'][-1]:.1f} samples/s",
+                    flush=True,
+                )
+    median = {k: statistics.median(v) for k, v in runs.items()}
+    slower = 1 - median["services"] / median["in-process"]
+    table = [
+        "| path | samples/s (median) | runs |",
+        "|---|---|---|",
+        *(
+            f"| {k} | {median[k]:.1f} | {', '.join(f'{x:.1f}' for x in v)} |"
+            for k, v in runs.items()
+        ),
+        "",
+        f"The services are **{slower:.0%} slower** than the in-process loop (goal: at most 5%).",
+    ]
+    write_results(
+        "overhead",
+        {"machine": machine(), "config": vars(args), "runs": runs, "median": median},
+        "B3: full services vs the in-process loop (tiny model, copy task)",
+        table,
+        "python bench/overhead.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+    )
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,217 @@
+"""B4 — transport: (1) trajectories/s and MB/s through the broker (the bus's zstd producer, a
+raw consumer) for trajectories of realistic size, against encoding + decoding alone; (2)
+weight-sync latency as the node does it (trainer writes safetensors atomically + sha256,
+WeightVersion over the broker, the generator's side checks the sha256 and loads into the
+engine) against a raw safetensors save + load of the same weights. Interleaved rounds.
+Writes bench/results/transport.{json,md}.
+
+    python bench/transport.py [--trajectories 300] [--turns 4] [--repeats 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import random
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+from bench_common import machine, write_results
+
+from rlnode import topics
+from rlnode.bus import Bus
+from rlnode.codec import decode, encode
+from rlnode.engine.tiny import init_tiny_model
+from rlnode.engine.torch_engine import TorchEngine
+from rlnode.localbroker import LocalBroker
+from rlnode.messages import ParityProbe, TokenTurn, Trajectory, WeightVersion
+from rlnode.settings import KafkaSettings
+from rlnode.training.trainer import Trainer, TrainerConfig
+
+
+def trajectory(job_id: str, turns: int, prompt: int, completion: int, rng: random.Random):
+    return Trajectory(
+        job_id=job_id,
+        org_id="bench",
+        work_id=uuid.uuid4(),
+        rollout_id=uuid.uuid4().hex,
+        generator="bench",
+        step=0,
+        group_id="0/0",
+        seed=0,
+        sample_index=0,
+        status="ok",
+        reward=rng.random(),
+        turns=[
+            TokenTurn(
+                prompt_ids=[rng.randrange(150_000) for _ in range(prompt * (t + 1))],
+                completion_ids=[rng.randrange(150_000) for _ in range(completion)],
+                logprobs=[-rng.random() * 5 for _ in range(completion)],
+                policy_version=0,
+                finish_reason="stop",
+            )
+            for t in range(turns)
+        ],
+    )
+
+
+async def through_broker(settings: KafkaSettings, batch: list[Trajectory]) -> float:
+    bus = Bus(settings, service="bench")
+    await bus.start()
+    consumer = bus.consumer(topics.TRAJECTORIES, group_id=None, from_beginning=False)
+    await consumer.start()
+    try:
+        await asyncio.sleep(1.0)  # the consumer holds its partitions before we publish
+        await consumer.seek_to_end()
+        wanted = {str(t.id) for t in batch}
+        started = time.perf_counter()
+        await asyncio.gather(*(bus.publish(t) for t in batch))
+        while wanted:
+            for records in (await consumer.getmany(timeout_ms=1000)).values():
+                for record in records:
+                    wanted.discard(str(decode(record.value, Trajectory).id))
+        return time.perf_counter() - started
+    finally:
+        await consumer.stop()
+        await bus.stop()
+
+
+def codec_only(batch: list[Trajectory]) -> float:
+    started = time.perf_counter()
+    for t in batch:
+        decode(encode(t), Trajectory)
+    return time.perf_counter() - started
+
+
+async def weight_sync(settings: KafkaSettings, trainer: Trainer, engine: TorchEngine, path: Path):
+    """Publish -> received -> sha256 checked -> loaded; seconds."""
+    bus = Bus(settings, service="bench-weights")
+    arrived: asyncio.Queue = asyncio.Queue()
+
+    async def on_version(version: WeightVersion, _delivery) -> None:
+        await arrived.put(version)
+
+    bus.subscribe(topics.WEIGHT_VERSIONS, on_version, group_id=None, commit="none")
+    await bus.start()
+    try:
+        await asyncio.sleep(1.0)
+        job = f"bench-{uuid.uuid4().hex[:8]}"
+        started = time.perf_counter()
+        digest, size = await asyncio.to_thread(trainer.save_weights, path)
+        await bus.publish(
+            WeightVersion(
+                job_id=job,
+                org_id="bench",
+                version=1,
+                step=1,
+                uri=path.as_uri(),
+                sha256=digest,
+                size_bytes=size,
+                dtype="float32",
+                probe=ParityProbe(token_ids=[0, 1], logprobs=[0.0]),
+            )
+        )
+        while True:
+            version = await arrived.get()
+            if version.job_id == job:
+                break
+        check = await asyncio.to_thread(lambda: hashlib.sha256(path.read_bytes()).hexdigest())
+        assert check == version.sha256
+        await engine.load_weights(path, 1)
+        return time.perf_counter() - started, size
+    finally:
+        await bus.stop()
+
+
+def raw_save_load(trainer: Trainer, path: Path) -> float:
+    from safetensors.torch import load_file, save_file
+
+    started = time.perf_counter()
+    save_file(trainer.state_dict_for_inference(), str(path))
+    load_file(str(path))
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--trajectories", type=int, default=300)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--prompt-tokens", type=int, default=256, help="per turn, growing")
+    parser.add_argument("--completion-tokens", type=int, default=256)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rng = random.Random(0)
+    batch = [
+        trajectory("bench-traj", args.turns, args.prompt_tokens, args.completion_tokens, rng)
+        for _ in range(args.trajectories)
+    ]
+    record_bytes = statistics.fmean(len(encode(t)) for t in batch)
+    runs = {"broker_s": [], "codec_s": [], "sync_s": [], "raw_s": []}
+    with tempfile.TemporaryDirectory() as tmp, LocalBroker() as broker:
+        settings = KafkaSettings(bootstrap_servers=broker.bootstrap_servers)
+        from rlnode.bus import ensure_topics
+
+        asyncio.run(ensure_topics(settings))
+        model = init_tiny_model(
+            Path(tmp) / "m", seed=0, hidden=args.hidden, layers=args.layers, heads=8
+        )
+        trainer = Trainer(model, TrainerConfig())
+        engine = TorchEngine(model, dtype="float32")
+        weights_bytes = 0
+        for round_ in range(args.repeats):
+            seconds = asyncio.run(through_broker(settings, batch))
+            runs["broker_s"].append(seconds)
+            runs["codec_s"].append(codec_only(batch))
+            sync, weights_bytes = asyncio.run(
+                weight_sync(settings, trainer, engine, Path(tmp) / f"w{round_}.safetensors")
+            )
+            runs["sync_s"].append(sync)
+            runs["raw_s"].append(raw_save_load(trainer, Path(tmp) / "raw.safetensors"))
+            print(
+                f"round {round_ + 1}: broker {args.trajectories / seconds:.0f} traj/s, "
+                f"weight sync {sync * 1000:.0f} ms vs raw {runs['raw_s'][-1] * 1000:.0f} ms",
+                flush=True,
+            )
+    m = {k: statistics.median(v) for k, v in runs.items()}
+    mb = args.trajectories * record_bytes / 1e6
+    table = [
+        f"Trajectories: {args.turns} turns, {args.prompt_tokens}-token prompts growing per turn, "
+        f"{args.completion_tokens}-token completions: {record_bytes / 1024:.0f} KiB of JSON each "
+        "(zstd on the wire).",
+        "",
+        "| measure | median | runs |",
+        "|---|---|---|",
+        f"| through the broker | {args.trajectories / m['broker_s']:.0f} trajectories/s, {mb / m['broker_s']:.1f} MB/s (uncompressed) | "
+        + ", ".join(f"{args.trajectories / s:.0f}" for s in runs["broker_s"])
+        + " |",
+        f"| encode + decode only | {args.trajectories / m['codec_s']:.0f} trajectories/s | "
+        + ", ".join(f"{args.trajectories / s:.0f}" for s in runs["codec_s"])
+        + " |",
+        f"| weight sync ({weights_bytes / 1e6:.0f} MB): write + sha256 + publish + receive + check + load | {m['sync_s'] * 1000:.0f} ms | "
+        + ", ".join(f"{s * 1000:.0f}" for s in runs["sync_s"])
+        + " |",
+        f"| raw safetensors save + load of the same weights | {m['raw_s'] * 1000:.0f} ms | "
+        + ", ".join(f"{s * 1000:.0f}" for s in runs["raw_s"])
+        + " |",
+        "",
+        f"Weight sync / raw save+load: **{m['sync_s'] / m['raw_s']:.2f}x**.",
+    ]
+    write_results(
+        "transport",
+        {"machine": machine(), "config": vars(args), "runs": runs, "record_bytes": record_bytes},
+        "B4: transport through the broker and weight-sync latency",
+        table,
+        "python bench/transport.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+    )
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
