@@ -48,6 +48,11 @@ class KafkaSettings(BaseSettings):
     # A consumer group's first join waits for stragglers (Tansu: half the session timeout,
     # Kafka: group.initial.rebalance.delay.ms); tests shorten it, production keeps it.
     session_timeout_ms: int = Field(10_000, ge=1000)
+    # How long a fetch may wait for data. Kafka answers as soon as a record arrives; Tansu
+    # holds the fetch (measured: ~125 ms per hop at aiokafka's 500 ms, ~25 at 100, ~10 at
+    # 20), and a job step crosses the broker three times. Lower costs idle polling: a whole
+    # idle node used 5% of a core at 500 ms, 22% at 50, 45% at 20.
+    fetch_max_wait_ms: int = Field(50, ge=1, le=10_000)
     heartbeat_interval_ms: int = Field(3_000, ge=100)
 
     @field_validator("bootstrap_servers")
