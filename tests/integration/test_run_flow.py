@@ -320,6 +320,8 @@ async def test_any_kafka_client_can_drive_a_job(node) -> None:
     try:
         async with asyncio.timeout(300):
             async for record in consumer:
+                if record.key != job_id.encode():  # records are keyed by job id
+                    continue
                 event = json.loads(record.value)
                 if event["job_id"] == job_id:
                     seen.append(event["type"])

@@ -51,9 +51,10 @@ def test_a_taken_port_is_a_failure_not_a_hang() -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        env = {**os.environ, "CHECKPOINT_SERVER_PORT": str(port)}
+        # The gateway starts with nothing else running (uvicorn binds after start-up).
+        env = {**os.environ, "GATEWAY_PORT": str(port)}
         result = subprocess.run(
-            [sys.executable, "-m", "checkpoint_server"], env=env, capture_output=True, timeout=60
+            [sys.executable, "-m", "taskapp_gateway"], env=env, capture_output=True, timeout=60
         )
     assert result.returncode != 0
     assert b"address already in use" in result.stderr.lower()
