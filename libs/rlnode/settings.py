@@ -51,8 +51,9 @@ class KafkaSettings(BaseSettings):
     # How long a fetch may wait for data. Kafka answers as soon as a record arrives; Tansu
     # holds the fetch (measured: ~125 ms per hop at aiokafka's 500 ms, ~25 at 100, ~10 at
     # 20), and a job step crosses the broker three times. Lower costs idle polling: a whole
-    # idle node used 5% of a core at 500 ms, 22% at 50, 45% at 20.
-    fetch_max_wait_ms: int = Field(50, ge=1, le=10_000)
+    # idle node used 5% of a core at 500 ms, 22% at 50, 45% at 20, and a max_async=1 job on
+    # 2 cores was no faster at 50 (bench/overhead.py): aiokafka's 500 stays the default.
+    fetch_max_wait_ms: int = Field(500, ge=1, le=10_000)
     heartbeat_interval_ms: int = Field(3_000, ge=100)
 
     @field_validator("bootstrap_servers")
