@@ -18,12 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import machine, write_results
+from bench_common import copy_task_node, machine, write_results
 
 from rlnode.demo import copy_task_config
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.messages import JobConfig, JobEventType
-from rlnode.node import LocalNode, NodeOptions
 from rlnode.sdk.jobs import JobsClient
 
 MODES = (0, 1, 2)
@@ -64,9 +63,7 @@ async def run_job(jobs: JobsClient, config: JobConfig) -> dict:
     }
 
 
-async def bench(node: LocalNode, model: Path, args) -> dict[int, list[dict]]:
-    org = node.create_org("bench", {"ENVIRONMENT_API_KEY": "bench-key-" + str(time.time_ns())})
-    node.register_example_task_app(org, "copy", "copy_task")
+async def bench(node, org, model: Path, args) -> dict[int, list[dict]]:
     results: dict[int, list[dict]] = {m: [] for m in MODES}
     async with JobsClient(org.org_id, org.token, node.kafka_settings()) as jobs:
         await run_job(jobs, job_config(model, args, 1))  # warm-up: model load, connections
@@ -92,14 +89,8 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "tiny", seed=0)
-        with LocalNode(
-            NodeOptions(
-                data_dir=Path(tmp) / "node",
-                services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
-                env={"rollout-generator": {"GENERATOR_CONCURRENCY": "256"}},
-            )
-        ) as node:
-            results = asyncio.run(bench(node, model, args))
+        with copy_task_node(Path(tmp) / "node", {"GENERATOR_CONCURRENCY": "256"}) as (node, org):
+            results = asyncio.run(bench(node, org, model, args))
     sync = statistics.median(r["samples_per_s"] for r in results[0])
     rows = []
     for mode in MODES:

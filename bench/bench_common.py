@@ -7,6 +7,8 @@ import json
 import os
 import platform
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
@@ -65,3 +67,23 @@ def write_results(
     path = RESULTS / f"{name}.md"
     path.write_text("\n".join(lines))
     return path
+
+
+@contextmanager
+def copy_task_node(directory: Path, generator_env: dict[str, str]) -> Iterator[tuple]:
+    """A node for training benchmarks (no checkpoint-server), an org whose key is sealed
+    and uploaded, and the managed copy-task Task App registered as "copy": (node, org)."""
+    import time
+
+    from rlnode.node import LocalNode, NodeOptions
+
+    with LocalNode(
+        NodeOptions(
+            data_dir=directory,
+            services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
+            env={"rollout-generator": generator_env},
+        )
+    ) as node:
+        org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})
+        node.register_example_task_app(org, "copy", "copy_task")
+        yield node, org

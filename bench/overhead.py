@@ -12,16 +12,14 @@ import argparse
 import asyncio
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 from async_modes import run_job
-from bench_common import machine, write_results
+from bench_common import copy_task_node, machine, write_results
 from inprocess import LoopConfig, run_loop
 
 from rlnode.demo import copy_task_config
 from rlnode.engine.tiny import init_tiny_model
-from rlnode.node import LocalNode, NodeOptions
 from rlnode.sdk.jobs import JobsClient
 
 
@@ -64,20 +62,8 @@ def main() -> None:
     runs: dict[str, list[float]] = {"services": [], "in-process": []}
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "tiny", seed=0)
-        with LocalNode(
-            NodeOptions(
-                data_dir=Path(tmp) / "node",
-                services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
-                env={
-                    "rollout-generator": {
-                        "GENERATOR_CONCURRENCY": "256",
-                        "GENERATOR_MAX_BATCH_SIZE": "256",
-                    }
-                },
-            )
-        ) as node:
-            org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"k-{time.time_ns()}"})
-            node.register_example_task_app(org, "copy", "copy_task")
+        generator = {"GENERATOR_CONCURRENCY": "256", "GENERATOR_MAX_BATCH_SIZE": "256"}
+        with copy_task_node(Path(tmp) / "node", generator) as (node, org):
 
             async def services_round() -> float:
                 async with JobsClient(org.org_id, org.token, node.kafka_settings()) as jobs:
