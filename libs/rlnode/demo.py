@@ -89,7 +89,12 @@ def run_demo(steps: int = 60, data_dir: Path | None = None) -> int:
             "  make test                                  the test suite (real broker, services, databases)"
         )
         say("  your own Task App: docs/taskapp-contract.md and examples/taskapps/")
-        say("  your own job on a running node: rlnode job start CONFIG.toml --watch (README)")
+        say(
+            "  rlnode up                                  a node that stays up (rlnode status, rlnode down)"
+        )
+        say(
+            "  rlnode job start CONFIG.toml --watch       your own job on it (README: config reference)"
+        )
         say("shutting the node down ...")
     say(f"done in {time.perf_counter() - started:.0f}s")
     return 0
