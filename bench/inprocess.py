@@ -157,6 +157,10 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--max-async", type=int, default=0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--hidden", type=int, default=64, help="tiny model width")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--length", type=int, default=3, help="copy-task string length")
+    parser.add_argument("--alphabet", default="abc")
     args = parser.parse_args()
     cfg = LoopConfig(
         steps=args.steps,
@@ -165,9 +169,10 @@ def main() -> None:
         learning_rate=args.lr,
         max_async=args.max_async,
         seed=args.seed,
+        env_config={"length": args.length, "alphabet": args.alphabet},
     )
     with tempfile.TemporaryDirectory() as tmp:
-        model = init_tiny_model(Path(tmp) / "m", seed=0)
+        model = init_tiny_model(Path(tmp) / "m", seed=0, hidden=args.hidden, layers=args.layers)
         records = asyncio.run(run_loop(model, cfg, Path(tmp)))
     rewards = [r.reward_mean for r in records]
     head, tail = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
