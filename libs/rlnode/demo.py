@@ -84,7 +84,7 @@ def run_demo(steps: int = 60, data_dir: Path | None = None) -> int:
         say("")
         say("What to try next:")
         say(f"  open {png}")
-        say("  rlnode demo --steps 120                    a longer run: the reward climbs past 0.6")
+        say("  rlnode demo --steps 120                    a longer run")
         say(
             "  make test                                  the test suite (real broker, services, databases)"
         )
