@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
+import math
 import statistics
 import sys
 import tempfile
@@ -50,6 +51,7 @@ class LoopConfig:
     max_tokens: int = 6
     temperature: float = 1.0
     max_async: int = 0
+    cosine: bool = False  # decay the learning rate to 10% over the run (try-out for #6)
     env_config: dict = field(default_factory=lambda: {"length": 3, "alphabet": "abc"})
     seed: int = 0
 
@@ -125,6 +127,10 @@ async def run_loop(model: Path, cfg: LoopConfig, weights_dir: Path) -> list[Step
                 for s in samples_from(trajectories, group_advantages(trajectories))
                 if s.advantage != 0.0
             ]
+            if cfg.cosine:
+                scale = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
+                for group in trainer.optimizer.param_groups:
+                    group["lr"] = cfg.learning_rate * scale
             if samples:
                 await asyncio.to_thread(trainer.step, samples)
             path = weights_dir / f"v{step + 1}.safetensors"
@@ -161,6 +167,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--length", type=int, default=3, help="copy-task string length")
     parser.add_argument("--alphabet", default="abc")
+    parser.add_argument("--cosine", action="store_true", help="cosine-decay the lr to 10%%")
     args = parser.parse_args()
     cfg = LoopConfig(
         steps=args.steps,
@@ -170,6 +177,7 @@ def main() -> None:
         max_async=args.max_async,
         seed=args.seed,
         env_config={"length": args.length, "alphabet": args.alphabet},
+        cosine=args.cosine,
     )
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "m", seed=0, hidden=args.hidden, layers=args.layers)
