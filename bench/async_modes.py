@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import copy_task_node, machine, write_results
+from bench_common import copy_task_node, machine, training_arguments, write_results
 
 from rlnode.demo import copy_task_config
 from rlnode.engine.tiny import init_tiny_model
@@ -81,10 +81,7 @@ async def bench(node, org, model: Path, args) -> dict[int, list[dict]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=5e-3)
+    training_arguments(parser, steps=12, max_async=None)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:

@@ -87,3 +87,14 @@ def copy_task_node(directory: Path, generator_env: dict[str, str]) -> Iterator[t
         org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})
         node.register_example_task_app(org, "copy", "copy_task")
         yield node, org
+
+
+def training_arguments(parser, steps: int, max_async: int | None) -> None:
+    """The training knobs the training benchmarks share (same names, same meaning);
+    `max_async` None: the benchmark sweeps it itself."""
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-3)
+    if max_async is not None:
+        parser.add_argument("--max-async", type=int, default=max_async)

@@ -20,6 +20,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench_common import training_arguments
+
 from rlnode.engine import GenerationRequest, render_chat
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.engine.torch_engine import TorchEngine
@@ -157,11 +159,7 @@ async def run_loop(model: Path, cfg: LoopConfig, weights_dir: Path) -> list[Step
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=60)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=5e-3)
-    parser.add_argument("--max-async", type=int, default=0)
+    training_arguments(parser, steps=60, max_async=0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--hidden", type=int, default=64, help="tiny model width")
     parser.add_argument("--layers", type=int, default=2)

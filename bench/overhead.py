@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from async_modes import run_job
-from bench_common import copy_task_node, machine, write_results
+from bench_common import copy_task_node, machine, training_arguments, write_results
 from inprocess import LoopConfig, run_loop
 
 from rlnode.demo import copy_task_config
@@ -52,11 +52,7 @@ async def services_rate(jobs: JobsClient, model: Path, args) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=10)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=5e-3)
-    parser.add_argument("--max-async", type=int, default=1)
+    training_arguments(parser, steps=10, max_async=1)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     runs: dict[str, list[float]] = {"services": [], "in-process": []}

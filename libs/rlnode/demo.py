@@ -11,15 +11,13 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from rlnode.cli.job import Progress, terminal_curve, write_plot
+from rlnode.cli.job import QUIET, Progress, terminal_curve, write_plot
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.messages import JobConfig, JobEventType
 from rlnode.node import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.sdk.jobs import JobError, JobsClient, ends_the_job, new_job_id
 from rlnode.settings import NodeSettings
-
-QUIET = {JobEventType.WEIGHTS_PUBLISHED, JobEventType.WEIGHTS_LOADED, JobEventType.ROLLOUT_BATCH}
 
 
 def copy_task_config(model: Path, steps: int, **training) -> JobConfig:
