@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rlnode.bus import Bus
+from rlnode.bus import Bus, ensure_topics
 from rlnode.settings import KafkaSettings
 from rlnode.testing import (
     BrokerHandle,
@@ -43,7 +43,11 @@ def isolated_data_dir(tmp_path, monkeypatch) -> None:
 
 @pytest.fixture(scope="session")
 def kafka_broker() -> Iterator[BrokerHandle]:
+    """One broker for the session with the topics created, as on a node (`rlnode up` creates
+    them before any service starts): a service that subscribed first would otherwise leave
+    the broker to auto-create a topic with its own partition count."""
     with provide_broker() as handle:
+        asyncio.run(ensure_topics(KafkaSettings(bootstrap_servers=handle.bootstrap_servers)))
         yield handle
 
 
@@ -60,22 +64,14 @@ def kafka_settings(kafka_broker: BrokerHandle) -> KafkaSettings:
 
 @pytest.fixture
 async def make_bus(kafka_settings: KafkaSettings) -> AsyncIterator[Callable[..., Bus]]:
-    """Build buses that are stopped when the test ends; topics exist before the first one."""
+    """Build buses that are stopped when the test ends (the broker fixture made the topics)."""
     buses: list[Bus] = []
-    created = False
 
     def factory(service: str = "test", settings: KafkaSettings | None = None) -> Bus:
         bus = Bus(settings or kafka_settings, service=service)
         buses.append(bus)
         return bus
 
-    async def ensure() -> None:
-        nonlocal created
-        if not created:
-            await Bus(kafka_settings, service="test-admin").ensure_topics()
-            created = True
-
-    await ensure()
     yield factory
     for bus in reversed(buses):
         with contextlib.suppress(Exception):

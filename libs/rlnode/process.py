@@ -136,7 +136,8 @@ class ServiceProcess:
                 pass
             time.sleep(0.1)
         raise ServiceFailed(
-            f"{self.spec.name} was not healthy at {self.url} within {timeout_s:.0f}s"
+            f"{self.spec.name} was not healthy at {self.url} within {timeout_s:.0f}s; "
+            f"its log ({self.log_path}):\n{self.log_tail()}"
         )
 
     def stop(self, timeout_s: float = 20.0) -> int:

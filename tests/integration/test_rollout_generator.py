@@ -14,6 +14,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.partitioner import DefaultPartitioner
 from fastapi import FastAPI, Header, HTTPException, Request
 from safetensors.torch import load_file
 
@@ -66,11 +69,50 @@ async def until(predicate, within_s: float = 60.0) -> None:
             await asyncio.sleep(0.1)
 
 
-@pytest.fixture(scope="module")
-def work_group() -> str:
-    """One consumer group for the module, as on a real node: a new group would start from
-    the earliest offset and redo every earlier test's work."""
-    return unique_id("gen")
+@pytest.fixture
+async def work_group(kafka_broker) -> str:
+    """A consumer group of this test's own that starts where the work topic ends now: no
+    earlier test's work to redo, and no earlier test's members or failures to inherit."""
+    group = unique_id("gen")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=kafka_broker.bootstrap_servers, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        partitions = [
+            TopicPartition(topics.ROLLOUT_WORK, p)
+            for p in consumer.partitions_for_topic(topics.ROLLOUT_WORK)
+        ]
+        consumer.assign(partitions)
+        await consumer.commit(await consumer.end_offsets(partitions))
+    finally:
+        await consumer.stop()
+    return group
+
+
+async def work_partitions(bootstrap: str) -> list[int]:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        (described,) = await admin.describe_topics([topics.ROLLOUT_WORK])
+        return sorted(p["partition"] for p in described["partitions"])
+    finally:
+        await admin.close()
+
+
+def job_ids_on_every_partition(partitions: list[int], per_partition: int) -> list[str]:
+    """Job ids whose records (keyed by job id) land on each partition `per_partition` times,
+    by the producer's own partitioner: random ids leave a partition empty now and then."""
+    choose = DefaultPartitioner()
+    wanted = {p: per_partition for p in partitions}
+    chosen: list[str] = []
+    while any(wanted.values()):
+        job = unique_id("job")
+        partition = choose(job.encode(), partitions, partitions)
+        if wanted[partition]:
+            wanted[partition] -= 1
+            chosen.append(job)
+    return chosen
 
 
 @pytest.fixture(scope="module")
@@ -281,10 +323,11 @@ async def test_two_generators_share_work_and_a_killed_one_loses_none(
 
     async def split() -> bool:  # both in the group, the partitions shared between them
         held = [(await generator_status(g))["partitions"] for g in (a, b)]
-        return all(held) and sorted(held[0] + held[1]) == [0, 1, 2]
+        return all(held) and sorted(held[0] + held[1]) == partitions
 
+    partitions = await work_partitions(kafka_broker.bootstrap_servers)
     await until(split)
-    job_ids = [unique_id("job") for _ in range(6)]  # several keys, so every partition gets work
+    job_ids = job_ids_on_every_partition(partitions, per_partition=2)  # so b surely has work
     items = [w for job in job_ids for w in work_items(stack, tiny_model, job, 8)]
     producer = make_bus("learner-test")
     await producer.start()
