@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH   ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 
-.PHONY: setup test test-unit lint format proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport clean
+.PHONY: setup test test-unit lint format proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trl clean
 
 setup: $(STAMP)
 
@@ -52,7 +52,7 @@ fuzz-vault: setup
 	$(BIN)/python tools/fuzz_vault.py --max-examples 50
 
 # Benchmarks write JSON and a markdown table to bench/results/.
-bench: bench-engine bench-async bench-overhead bench-transport
+bench: bench-engine bench-async bench-overhead bench-transport bench-trl
 
 bench-engine: setup
 	$(BIN)/python bench/engine_batching.py
@@ -65,6 +65,10 @@ bench-overhead: setup
 
 bench-transport: setup
 	$(BIN)/python bench/transport.py
+
+bench-trl: setup
+	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(BIN)/python bench/vs_trl.py
 
 doctor: setup
 	$(BIN)/rlnode doctor

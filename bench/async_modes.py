@@ -35,6 +35,7 @@ def job_config(model: Path, args, max_async: int) -> JobConfig:
         prompts_per_step=args.prompts,
         group_size=args.group,
         learning_rate=args.lr,
+        minibatches=args.minibatches,
         max_async=max_async,
         checkpoint_every=1000,
     )

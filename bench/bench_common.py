@@ -96,5 +96,8 @@ def training_arguments(parser, steps: int, max_async: int | None) -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument(
+        "--minibatches", type=int, default=1, help="optimizer steps per training step"
+    )
     if max_async is not None:
         parser.add_argument("--max-async", type=int, default=max_async)

@@ -4,6 +4,8 @@ Kafka, no HTTP, no Task App process. Benchmarks compare the services against it 
 it is the quickest way to try hyperparameters on the tiny model.
 
     python bench/inprocess.py --steps 60 --prompts 8 --group 8 --lr 5e-3 [--max-async 1]
+    python bench/inprocess.py --steps 100 --group 16 --lr 3e-3 --minibatches 2 --max-async 1 \
+        --seeds 0-15        # a seed sweep: median gain and how many runs reach +0.4
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import importlib.util
-import math
 import statistics
 import sys
 import tempfile
@@ -53,7 +54,7 @@ class LoopConfig:
     max_tokens: int = 6
     temperature: float = 1.0
     max_async: int = 0
-    cosine: bool = False  # decay the learning rate to 10% over the run (try-out for #6)
+    minibatches: int = 1
     env_config: dict = field(default_factory=lambda: {"length": 3, "alphabet": "abc"})
     seed: int = 0
 
@@ -113,7 +114,12 @@ async def run_loop(model: Path, cfg: LoopConfig, weights_dir: Path) -> list[Step
     engine = TorchEngine(model, dtype="float32", max_batch_size=256, max_wait_ms=2, seed=cfg.seed)
     trainer = Trainer(
         model,
-        TrainerConfig(learning_rate=cfg.learning_rate, temperature=cfg.temperature, seed=cfg.seed),
+        TrainerConfig(
+            learning_rate=cfg.learning_rate,
+            temperature=cfg.temperature,
+            minibatches=cfg.minibatches,
+            seed=cfg.seed,
+        ),
     )
     records: list[StepRecord] = []
     started = time.perf_counter()
@@ -129,10 +135,6 @@ async def run_loop(model: Path, cfg: LoopConfig, weights_dir: Path) -> list[Step
                 for s in samples_from(trajectories, group_advantages(trajectories))
                 if s.advantage != 0.0
             ]
-            if cfg.cosine:
-                scale = 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / cfg.steps))
-                for group in trainer.optimizer.param_groups:
-                    group["lr"] = cfg.learning_rate * scale
             if samples:
                 await asyncio.to_thread(trainer.step, samples)
             path = weights_dir / f"v{step + 1}.safetensors"
@@ -160,35 +162,53 @@ async def run_loop(model: Path, cfg: LoopConfig, weights_dir: Path) -> list[Step
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     training_arguments(parser, steps=60, max_async=0)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--seeds", default="0", help="sampling/training seeds: 3, 0-7 or 1,4,9; several: a sweep"
+    )
     parser.add_argument("--hidden", type=int, default=64, help="tiny model width")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--length", type=int, default=3, help="copy-task string length")
     parser.add_argument("--alphabet", default="abc")
-    parser.add_argument("--cosine", action="store_true", help="cosine-decay the lr to 10%%")
     args = parser.parse_args()
-    cfg = LoopConfig(
-        steps=args.steps,
-        prompts_per_step=args.prompts,
-        group_size=args.group,
-        learning_rate=args.lr,
-        max_async=args.max_async,
-        seed=args.seed,
-        env_config={"length": args.length, "alphabet": args.alphabet},
-        cosine=args.cosine,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        model = init_tiny_model(Path(tmp) / "m", seed=0, hidden=args.hidden, layers=args.layers)
-        records = asyncio.run(run_loop(model, cfg, Path(tmp)))
-    rewards = [r.reward_mean for r in records]
-    head, tail = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
-    total = records[-1].elapsed_s
-    print(" ".join(f"{r:.2f}" for r in rewards))
-    print(
-        f"first5 {head:.3f} last5 {tail:.3f} gain {tail - head:+.3f} | {total:.1f}s, "
-        f"{sum(r.samples for r in records) / total:.1f} samples/s",
-        file=sys.stderr,
-    )
+    gains = []
+    for seed in _seeds(args.seeds):
+        cfg = LoopConfig(
+            steps=args.steps,
+            prompts_per_step=args.prompts,
+            group_size=args.group,
+            learning_rate=args.lr,
+            max_async=args.max_async,
+            seed=seed,
+            env_config={"length": args.length, "alphabet": args.alphabet},
+            minibatches=args.minibatches,
+        )
+        with tempfile.TemporaryDirectory() as tmp:
+            model = init_tiny_model(Path(tmp) / "m", seed=0, hidden=args.hidden, layers=args.layers)
+            records = asyncio.run(run_loop(model, cfg, Path(tmp)))
+        rewards = [r.reward_mean for r in records]
+        head, tail = statistics.fmean(rewards[:5]), statistics.fmean(rewards[-5:])
+        gains.append(tail - head)
+        total = records[-1].elapsed_s
+        print(f"seed {seed}: " + " ".join(f"{r:.2f}" for r in rewards))
+        print(
+            f"seed {seed}: first5 {head:.3f} last5 {tail:.3f} gain {tail - head:+.3f} | "
+            f"{total:.1f}s, {sum(r.samples for r in records) / total:.1f} samples/s",
+            file=sys.stderr,
+        )
+    if len(gains) > 1:
+        print(
+            f"{len(gains)} seeds: median gain {statistics.median(gains):+.3f}, "
+            f"min {min(gains):+.3f}, {sum(g >= 0.4 for g in gains)} of {len(gains)} at +0.4 or more",
+            file=sys.stderr,
+        )
+
+
+def _seeds(text: str) -> list[int]:
+    seeds: list[int] = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        seeds.extend(range(int(first), int(last or first) + 1))
+    return seeds
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ def inprocess_rate(model: Path, args, scratch: Path) -> float:
         prompts_per_step=args.prompts,
         group_size=args.group,
         learning_rate=args.lr,
+        minibatches=args.minibatches,
         max_async=args.max_async,
     )
     records = asyncio.run(run_loop(model, cfg, scratch))
@@ -44,6 +45,7 @@ async def services_rate(jobs: JobsClient, model: Path, args) -> float:
         prompts_per_step=args.prompts,
         group_size=args.group,
         learning_rate=args.lr,
+        minibatches=args.minibatches,
         max_async=args.max_async,
         checkpoint_every=1000,
     )

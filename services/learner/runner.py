@@ -106,6 +106,7 @@ class JobRunner:
                 kl_coef=t.kl_coef,
                 temperature=max(self.config.sampling.temperature, 1e-6),
                 tokens_per_micro_batch=t.tokens_per_micro_batch,
+                minibatches=t.minibatches,
                 seed=t.seed,
             ),
             self.devices,

@@ -16,7 +16,7 @@ from rlnode.engine.tiny import init_tiny_model
 from rlnode.engine.torch_engine import TorchEngine
 from rlnode.training.distributed import DataParallelError, DataParallelTrainer
 from rlnode.training.grpo import Sample
-from rlnode.training.trainer import Trainer, TrainerConfig, micro_batches
+from rlnode.training.trainer import Trainer, TrainerConfig, micro_batches, minibatch_parts
 
 
 @pytest.fixture(scope="module")
@@ -80,6 +80,33 @@ def test_micro_batching_does_not_change_the_update(model_dir) -> None:
     # near-zero gradient into a full-size difference in the parameters.
     for a, b in zip(whole.model.parameters(), split.model.parameters(), strict=True):
         assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-8)
+
+
+def test_minibatch_parts_deal_every_sample_once_the_same_way_on_every_rank(model_dir) -> None:
+    samples = _samples(Trainer(model_dir, _config()), n=9)
+    assert minibatch_parts(samples, 1) == [samples]  # one part: as given
+    parts = minibatch_parts(samples, 2, seed="0:3")
+    assert [len(p) for p in parts] == [5, 4]
+    assert sorted(id(s) for part in parts for s in part) == sorted(map(id, samples))
+    assert parts == minibatch_parts(samples, 2, seed="0:3")  # every rank deals alike
+    assert parts != minibatch_parts(samples, 2, seed="0:4")  # a new order every step
+    assert len(minibatch_parts(samples, 8, world=2)) == 4  # each part keeps a sample per rank
+
+
+def test_minibatches_are_optimizer_steps_on_the_parts(model_dir) -> None:
+    """minibatches=2: the same as two plain steps on the two parts, one after the other,
+    reported as one step with token-weighted metrics."""
+    two, reference = Trainer(model_dir, _config(minibatches=2)), Trainer(model_dir, _config())
+    samples = _samples(two)
+    metrics = two.step(samples)
+    first, second = minibatch_parts(samples, 2, seed="0:0")
+    a, b = reference.step(first), reference.step(second)
+    for x, y in zip(two.model.parameters(), reference.model.parameters(), strict=True):
+        assert torch.allclose(x, y, atol=1e-6)
+    assert two.steps == 1 and metrics.samples == len(samples)
+    assert metrics.tokens == a.tokens + b.tokens
+    assert metrics.loss == pytest.approx((a.loss * a.tokens + b.loss * b.tokens) / metrics.tokens)
+    assert metrics.ratio_mean != pytest.approx(1.0)  # the second part was off-policy by then
 
 
 def test_published_weights_load_in_the_engine_with_parity(model_dir, tmp_path) -> None:

@@ -63,6 +63,15 @@ class TrainingSpec(StrictModel):
     weight_sync_every: PositiveInt = 1
     checkpoint_every: PositiveInt = 10
     tokens_per_micro_batch: PositiveInt = Field(8192, description="Gradient-accumulation budget.")
+    minibatches: PositiveInt = Field(
+        1,
+        le=64,
+        description=(
+            "Optimizer steps per training step: the step's samples, shuffled, are dealt into "
+            "this many parts with one optimizer step each (PPO-style reuse of a batch; the "
+            "clipped importance ratio bounds the later steps)."
+        ),
+    )
     seed: int = 0
 
 

@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 import json
 import os
+import random
 import shutil
 import time
 from dataclasses import asdict, dataclass
@@ -29,6 +30,7 @@ class TrainerConfig:
     kl_coef: float = 0.0
     temperature: float = 1.0
     tokens_per_micro_batch: int = 8192
+    minibatches: int = 1  # optimizer steps per training step (see minibatch_parts)
     seed: int = 0
 
 
@@ -88,6 +90,20 @@ def _padded(rows: list[list[float]], width: int, device: str) -> torch.Tensor:
     for i, r in enumerate(rows):
         out[i, : len(r)] = torch.tensor(r, dtype=torch.float32)
     return out
+
+
+def minibatch_parts(
+    samples: list[Sample], minibatches: int, world: int = 1, seed: str = "0"
+) -> list[list[Sample]]:
+    """The parts of a training step's samples that get an optimizer step each: with one,
+    the samples as they are; with more, a seeded shuffle (the same on every rank) dealt into
+    that many parts, fewer when there are too few samples for every rank to get one per part."""
+    count = max(1, min(minibatches, len(samples) // max(1, world)))
+    if count == 1:
+        return [samples]
+    shuffled = list(samples)
+    random.Random(seed).shuffle(shuffled)
+    return [shuffled[i::count] for i in range(count)]
 
 
 def micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
@@ -155,11 +171,39 @@ class Trainer:
         return contextlib.nullcontext()
 
     def step(self, samples: list[Sample]) -> StepMetrics:
-        """One optimizer step on `samples` (every rank passes the same list; each trains on
-        its share). The loss is the token-mean over the whole batch, whatever the split."""
+        """One training step on `samples` (every rank passes the same list): `minibatches`
+        optimizer steps, each on its part of the samples (the same parts on every rank), or
+        one step on them all. Metrics are token-weighted over the parts."""
         started = time.perf_counter()
         if not samples:
             raise ValueError("a training step needs at least one sample")
+        parts = minibatch_parts(
+            samples, self.config.minibatches, self.world, seed=f"{self.config.seed}:{self.steps}"
+        )
+        results = [self._optimizer_step(part) for part in parts]
+        self.steps += 1
+        tokens = sum(r.tokens for r in results)
+        kls = [r for r in results if r.kl is not None]
+
+        def weighted(values: list[tuple[float, int]]) -> float:
+            total = sum(n for _v, n in values)
+            return sum(v * n for v, n in values) / total if total else 0.0
+
+        return StepMetrics(
+            loss=weighted([(r.loss, r.tokens) for r in results]),
+            kl=weighted([(r.kl, r.tokens) for r in kls]) if kls else None,
+            clip_fraction=weighted([(r.clip_fraction, r.tokens) for r in results]),
+            ratio_mean=weighted([(r.ratio_mean, r.tokens) for r in results]),
+            grad_norm=sum(r.grad_norm for r in results) / len(results),
+            tokens=tokens,
+            samples=len(samples),
+            compute_s=time.perf_counter() - started,
+        )
+
+    def _optimizer_step(self, samples: list[Sample]) -> StepMetrics:
+        """One optimizer step on `samples` (every rank passes the same list; each trains on
+        its share). The loss is the token-mean over the whole batch, whatever the split."""
+        started = time.perf_counter()
         mine = samples[self.rank :: self.world]
         my_tokens = sum(len(s.completion_ids) for s in mine)
         (total_tokens,) = _all_reduce([float(my_tokens)], self.device)
@@ -202,7 +246,6 @@ class Trainer:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
         )
         self.optimizer.step()
-        self.steps += 1
         loss, clipped, ratio, kl_sum, kl_rows = _all_reduce(
             [
                 sums["loss"],

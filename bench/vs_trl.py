@@ -1,0 +1,265 @@
+"""B1: rlnode against Hugging Face TRL's GRPOTrainer on the same tiny model, the same copy task
+(TRL calls the same reward function in-process), the same prompts (seed k at step k // P),
+prompts per step, group size, max tokens, learning rate, optimizer steps per batch
+(rlnode `minibatches` = TRL `steps_per_generation`), loss (token-mean, clip 0.2, group std
+scaling, no KL) and number of steps. rlnode runs as the full services on one node
+(broker, vault, gateway with the managed Task App, one generator, learner); TRL runs in a
+process of its own (CPU, generation with transformers, no vLLM). Rounds interleave the two.
+Writes bench/results/vs_trl.{json,md}.
+
+    python bench/vs_trl.py [--steps 40] [--prompts 8] [--group 16] [--lr 3e-3] [--minibatches 2]
+                           [--repeats 2]
+
+samples/s: completions of every batch after the first over the time from the first batch's
+mark to the last one's (rlnode: each `train.step` event; TRL: each call of the reward
+function, once per generated batch), so loading the model is left out of both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_common import copy_task_node, machine, training_arguments, write_results
+from inprocess import COPY
+
+from rlnode.demo import copy_task_config
+from rlnode.engine.tiny import init_tiny_model
+from rlnode.messages import JobEventType
+from rlnode.sdk.jobs import JobsClient
+
+ENV_CONFIG = {"length": 3, "alphabet": "abc"}
+MAX_TOKENS = 6
+TARGET_REWARD = 0.6
+
+
+# -- TRL, in a process of its own -------------------------------------------------------------
+
+
+def trl_worker(model: Path, args, out: Path) -> None:
+    """Train with TRL's GRPOTrainer and write one record per step to `out` (JSON)."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(args.seed)
+    tasks = [COPY.make_task(seed, ENV_CONFIG) for seed in range(args.prompts * args.steps)]
+    dataset = Dataset.from_list(
+        [{"prompt": COPY.prompt(task), "target": task["target"]} for task in tasks]
+    )
+
+    records: list[dict] = []
+
+    def copy_reward(completions, target, **_kwargs) -> list[float]:
+        """Called once per generated batch: the batch's mark on the timeline too."""
+        rewards = [
+            COPY.reward({"target": t, "alphabet": ENV_CONFIG["alphabet"]}, c[0]["content"])
+            for c, t in zip(completions, target, strict=True)
+        ]
+        records.append({"reward_mean": statistics.fmean(rewards), "t": time.perf_counter()})
+        return rewards
+
+    config = GRPOConfig(
+        output_dir=str(out.parent / "trl-out"),
+        max_steps=args.steps * args.minibatches,  # TRL counts optimizer steps
+        per_device_train_batch_size=args.prompts * args.group // args.minibatches,
+        steps_per_generation=args.minibatches,
+        num_generations=args.group,
+        gradient_accumulation_steps=1,
+        max_completion_length=MAX_TOKENS,
+        temperature=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",  # the token-mean over the batch, as rlnode's learner
+        scale_rewards="group",
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=args.seed,
+        disable_tqdm=True,
+    )
+    trainer = GRPOTrainer(
+        model=str(model),
+        reward_funcs=copy_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model),
+    )
+    trainer.train()
+    out.write_text(json.dumps(records))
+
+
+def run_trl(model: Path, args, workdir: Path) -> dict:
+    out = workdir / f"trl-{time.time_ns()}.json"
+    command = [
+        sys.executable,
+        __file__,
+        "--trl-worker",
+        str(model),
+        str(out),
+        *(f"--steps={args.steps} --prompts={args.prompts} --group={args.group}".split()),
+        f"--lr={args.lr}",
+        f"--minibatches={args.minibatches}",
+        f"--seed={args.seed}",
+    ]
+    subprocess.run(command, check=True)
+    records = json.loads(out.read_text())
+    return summarise([r["reward_mean"] for r in records], [r["t"] for r in records], args)
+
+
+# -- rlnode, the full services ---------------------------------------------------------------
+
+
+async def run_rlnode(jobs: JobsClient, model: Path, args) -> dict:
+    config = copy_task_config(
+        model,
+        args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group,
+        learning_rate=args.lr,
+        minibatches=args.minibatches,
+        max_async=args.max_async,
+        checkpoint_every=1000,
+    )
+    job_id = await jobs.start(config)
+    rewards, times = [], []
+    async for event in jobs.events(job_id, idle_timeout_s=300):
+        if event.type is JobEventType.TRAIN_STEP:
+            rewards.append(event.data["reward_mean"])
+            times.append(time.perf_counter())
+        if event.type in (JobEventType.FAILED, JobEventType.REJECTED):
+            raise RuntimeError(f"job {job_id}: {event.message}")
+    return summarise(rewards, times, args)
+
+
+# -- the comparison ----------------------------------------------------------------------------
+
+
+def summarise(rewards: list[float], times: list[float], args) -> dict:
+    per_step = args.prompts * args.group
+    elapsed = times[-1] - times[0]
+    reached = next(
+        (
+            i
+            for i in range(len(rewards))
+            if statistics.fmean(rewards[max(0, i - 4) : i + 1]) >= TARGET_REWARD
+        ),
+        None,
+    )
+    return {
+        "samples_per_s": per_step * (len(rewards) - 1) / elapsed,
+        "seconds_to_target": None if reached is None else times[reached] - times[0],
+        "samples_to_target": None if reached is None else per_step * (reached + 1),
+        "reward_first5": statistics.fmean(rewards[:5]),
+        "reward_last5": statistics.fmean(rewards[-5:]),
+        "reward_per_sample": statistics.fmean(rewards),  # area under reward-vs-samples / samples
+        "rewards": rewards,
+    }
+
+
+async def rlnode_rounds(node, org, model: Path, args, workdir: Path) -> dict[str, list[dict]]:
+    results: dict[str, list[dict]] = {"rlnode": [], "trl": []}
+    async with JobsClient(org.org_id, org.token, node.kafka_settings()) as jobs:
+        for round_ in range(args.repeats):
+            for system in ("rlnode", "trl"):
+                if system == "rlnode":
+                    result = await run_rlnode(jobs, model, args)
+                else:
+                    result = await asyncio.to_thread(run_trl, model, args, workdir)
+                results[system].append(result)
+                print(
+                    f"round {round_ + 1} {system}: {result['samples_per_s']:.1f} samples/s, reward "
+                    f"{result['reward_first5']:.3f} -> {result['reward_last5']:.3f}",
+                    flush=True,
+                )
+    return results
+
+
+def _median_or_none(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if len(known) == len(values) else None
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--trl-worker", nargs=2, metavar=("MODEL", "OUT"))
+        training_arguments(parser, steps=40, max_async=None)
+        parser.add_argument("--seed", type=int, default=0)
+        args = parser.parse_args()
+        trl_worker(Path(args.trl_worker[0]), args, Path(args.trl_worker[1]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__)
+    training_arguments(parser, steps=40, max_async=1)
+    parser.set_defaults(group=16, lr=3e-3, minibatches=2)  # the copy task's defaults
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        model = init_tiny_model(Path(tmp) / "tiny", seed=0)
+        with copy_task_node(Path(tmp) / "node", {"GENERATOR_CONCURRENCY": "256"}) as (node, org):
+            results = asyncio.run(rlnode_rounds(node, org, model, args, Path(tmp)))
+    rows = []
+    for system in ("rlnode", "trl"):
+        runs = results[system]
+        speeds = [r["samples_per_s"] for r in runs]
+        rows.append(
+            {
+                "system": system,
+                "samples_per_s_median": statistics.median(speeds),
+                "samples_per_s_min": min(speeds),
+                "samples_per_s_max": max(speeds),
+                "seconds_to_target_median": _median_or_none([r["seconds_to_target"] for r in runs]),
+                "reached_target": sum(r["seconds_to_target"] is not None for r in runs),
+                "reward_per_sample_median": statistics.median(r["reward_per_sample"] for r in runs),
+                "reward_last5_median": statistics.median(r["reward_last5"] for r in runs),
+            }
+        )
+    ratio = rows[0]["samples_per_s_median"] / rows[1]["samples_per_s_median"]
+
+    def seconds(row) -> str:
+        value = row["seconds_to_target_median"]
+        return f"{value:.0f}" if value is not None else "not every run"
+
+    table = [
+        f"| system | samples/s (median, min-max) | s to reward {TARGET_REWARD} (reached) "
+        "| mean reward per sample | reward, last 5 steps |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {r['system']} | {r['samples_per_s_median']:.1f} ({r['samples_per_s_min']:.1f}-"
+            f"{r['samples_per_s_max']:.1f}) | {seconds(r)} ({r['reached_target']}/{args.repeats}) "
+            f"| {r['reward_per_sample_median']:.3f} | {r['reward_last5_median']:.3f} |"
+            for r in rows
+        ),
+        "",
+        f"rlnode / TRL samples/s: **{ratio:.2f}x** (goal 2x).",
+    ]
+    write_results(
+        "vs_trl",
+        {"machine": machine(), "config": vars(args), "rows": rows, "ratio": ratio, "runs": results},
+        "B1: rlnode (full services) against TRL GRPOTrainer, same model, task and settings",
+        table,
+        "python bench/vs_trl.py "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+    )
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
