@@ -18,27 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import copy_task_node, machine, training_arguments, write_results
+from bench_common import copy_task_node, job_config, machine, training_arguments, write_results
 
-from rlnode.demo import copy_task_config
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.messages import JobConfig, JobEventType
 from rlnode.sdk.jobs import JobsClient
 
 MODES = (0, 1, 2)
-
-
-def job_config(model: Path, args, max_async: int) -> JobConfig:
-    return copy_task_config(
-        model,
-        args.steps,
-        prompts_per_step=args.prompts,
-        group_size=args.group,
-        learning_rate=args.lr,
-        minibatches=args.minibatches,
-        max_async=max_async,
-        checkpoint_every=1000,
-    )
 
 
 async def run_job(jobs: JobsClient, config: JobConfig) -> dict:

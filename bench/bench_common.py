@@ -89,6 +89,22 @@ def copy_task_node(directory: Path, generator_env: dict[str, str]) -> Iterator[t
         yield node, org
 
 
+def job_config(model: Path, args, max_async: int | None = None):
+    """The copy-task job for the training arguments below (`max_async` None: args')."""
+    from rlnode.demo import copy_task_config
+
+    return copy_task_config(
+        model,
+        args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group,
+        learning_rate=args.lr,
+        minibatches=args.minibatches,
+        max_async=args.max_async if max_async is None else max_async,
+        checkpoint_every=1000,
+    )
+
+
 def training_arguments(parser, steps: int, max_async: int | None) -> None:
     """The training knobs the training benchmarks share (same names, same meaning);
     `max_async` None: the benchmark sweeps it itself."""

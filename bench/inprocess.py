@@ -58,6 +58,19 @@ class LoopConfig:
     env_config: dict = field(default_factory=lambda: {"length": 3, "alphabet": "abc"})
     seed: int = 0
 
+    @classmethod
+    def from_arguments(cls, args, **changes) -> LoopConfig:
+        """From bench_common.training_arguments' options."""
+        return cls(
+            steps=args.steps,
+            prompts_per_step=args.prompts,
+            group_size=args.group,
+            learning_rate=args.lr,
+            minibatches=args.minibatches,
+            max_async=args.max_async,
+            **changes,
+        )
+
 
 @dataclass
 class StepRecord:
@@ -172,15 +185,8 @@ def main() -> None:
     args = parser.parse_args()
     gains = []
     for seed in _seeds(args.seeds):
-        cfg = LoopConfig(
-            steps=args.steps,
-            prompts_per_step=args.prompts,
-            group_size=args.group,
-            learning_rate=args.lr,
-            max_async=args.max_async,
-            seed=seed,
-            env_config={"length": args.length, "alphabet": args.alphabet},
-            minibatches=args.minibatches,
+        cfg = LoopConfig.from_arguments(
+            args, seed=seed, env_config={"length": args.length, "alphabet": args.alphabet}
         )
         with tempfile.TemporaryDirectory() as tmp:
             model = init_tiny_model(Path(tmp) / "m", seed=0, hidden=args.hidden, layers=args.layers)

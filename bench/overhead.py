@@ -15,41 +15,22 @@ import tempfile
 from pathlib import Path
 
 from async_modes import run_job
-from bench_common import copy_task_node, machine, training_arguments, write_results
+from bench_common import copy_task_node, job_config, machine, training_arguments, write_results
 from inprocess import LoopConfig, run_loop
 
-from rlnode.demo import copy_task_config
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.sdk.jobs import JobsClient
 
 
 def inprocess_rate(model: Path, args, scratch: Path) -> float:
-    cfg = LoopConfig(
-        steps=args.steps,
-        prompts_per_step=args.prompts,
-        group_size=args.group,
-        learning_rate=args.lr,
-        minibatches=args.minibatches,
-        max_async=args.max_async,
-    )
-    records = asyncio.run(run_loop(model, cfg, scratch))
+    records = asyncio.run(run_loop(model, LoopConfig.from_arguments(args), scratch))
     per_step = args.prompts * args.group
     # Like the services' figure: from the first step's end to the last's.
     return per_step * (len(records) - 1) / (records[-1].elapsed_s - records[0].elapsed_s)
 
 
 async def services_rate(jobs: JobsClient, model: Path, args) -> float:
-    config = copy_task_config(
-        model,
-        args.steps,
-        prompts_per_step=args.prompts,
-        group_size=args.group,
-        learning_rate=args.lr,
-        minibatches=args.minibatches,
-        max_async=args.max_async,
-        checkpoint_every=1000,
-    )
-    return (await run_job(jobs, config))["samples_per_s"]
+    return (await run_job(jobs, job_config(model, args)))["samples_per_s"]
 
 
 def main() -> None:

@@ -27,10 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import copy_task_node, machine, training_arguments, write_results
+from bench_common import copy_task_node, job_config, machine, training_arguments, write_results
 from inprocess import COPY
 
-from rlnode.demo import copy_task_config
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.messages import JobEventType
 from rlnode.sdk.jobs import JobsClient
@@ -127,17 +126,7 @@ def run_trl(model: Path, args, workdir: Path) -> dict:
 
 
 async def run_rlnode(jobs: JobsClient, model: Path, args) -> dict:
-    config = copy_task_config(
-        model,
-        args.steps,
-        prompts_per_step=args.prompts,
-        group_size=args.group,
-        learning_rate=args.lr,
-        minibatches=args.minibatches,
-        max_async=args.max_async,
-        checkpoint_every=1000,
-    )
-    job_id = await jobs.start(config)
+    job_id = await jobs.start(job_config(model, args))
     rewards, times = [], []
     async for event in jobs.events(job_id, idle_timeout_s=300):
         if event.type is JobEventType.TRAIN_STEP:
