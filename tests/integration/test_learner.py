@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlnode import topics
+from rlnode.bus import Bus
 from rlnode.demo import copy_task_config
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.localbroker import free_port
@@ -100,6 +101,46 @@ def child_commands(pid: int) -> list[str]:
     ]
 
 
+class User:
+    """The org's side of the bus in these tests: job requests published as the org (or with
+    another token)."""
+
+    def __init__(self, bus: Bus, stack) -> None:
+        self.bus, self.stack = bus, stack
+
+    async def start(
+        self, config: JobConfig, job_id: str | None = None, token: str | None = None
+    ) -> str:
+        job_id = job_id or unique_id("job")
+        await self.bus.publish(
+            JobRequest(
+                job_id=job_id,
+                org_id=self.stack.org_id,
+                token=token or self.stack.org_token,
+                config=config,
+            )
+        )
+        return job_id
+
+    async def cancel(self, job_id: str, token: str | None = None, reason: str | None = None):
+        await self.bus.publish(
+            JobRequest(
+                job_id=job_id,
+                org_id=self.stack.org_id,
+                token=token or self.stack.org_token,
+                action="cancel",
+                reason=reason,
+            )
+        )
+
+
+@pytest.fixture
+async def user(node, make_bus) -> User:
+    bus = make_bus("user")
+    await bus.start()
+    return User(bus, node[0])
+
+
 def copy_config(model: Path, steps: int, **training) -> JobConfig:
     return copy_task_config(
         model,
@@ -138,23 +179,15 @@ async def watch(make_bus, job_id: str, until, within_s: float) -> list[JobEvent]
 
 
 @pytest.mark.timeout(900)
-async def test_a_job_learns_the_copy_task(node, kafka_broker, make_bus, learner_group) -> None:
-    stack, model, _token, _directory = node
+async def test_a_job_learns_the_copy_task(
+    node, kafka_broker, make_bus, learner_group, user
+) -> None:
+    _stack, model, _token, _directory = node
     learner = start_learner(node, kafka_broker, group=learner_group)
-    job_id = unique_id("job")
     # 8 prompts x 16 samples, lr 3e-3, 2 optimizer steps per step (the copy-task defaults);
     # about 5 minutes through the services on 2 CPU cores.
     steps = int(os.environ.get("RLNODE_E2E_STEPS", "100"))
-    producer = make_bus("user")
-    await producer.start()
-    await producer.publish(
-        JobRequest(
-            job_id=job_id,
-            org_id=stack.org_id,
-            token=stack.org_token,
-            config=copy_task_config(model, steps, checkpoint_every=10),
-        )
-    )
+    job_id = await user.start(copy_task_config(model, steps, checkpoint_every=10))
     events = await watch(
         make_bus, job_id, {JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.REJECTED}, 900
     )
@@ -178,7 +211,7 @@ async def test_a_job_learns_the_copy_task(node, kafka_broker, make_bus, learner_
 
 @pytest.mark.timeout(600)
 async def test_bad_requests_are_rejected_and_the_learner_keeps_serving(
-    node, kafka_broker, make_bus, learner_group
+    node, kafka_broker, make_bus, learner_group, user
 ) -> None:
     from aiokafka import AIOKafkaProducer
 
@@ -211,13 +244,10 @@ async def test_bad_requests_are_rejected_and_the_learner_keeps_serving(
         "other-org": (other_token, config, "cannot act on org"),
         "bad-token": ("rln1.garbage.token", config, "token was refused"),
     }
-    jobs = {name: unique_id(name) for name in cases}
-    producer = make_bus("user")
-    await producer.start()
-    for name, (token, cfg, _says) in cases.items():
-        await producer.publish(
-            JobRequest(job_id=jobs[name], org_id=stack.org_id, token=token, config=cfg)
-        )
+    jobs = {
+        name: await user.start(cfg, unique_id(name), token)
+        for name, (token, cfg, _) in cases.items()
+    }
     raw = AIOKafkaProducer(bootstrap_servers=kafka_broker.bootstrap_servers)
     await raw.start()
     garbage_job = unique_id("garbage")
@@ -238,15 +268,7 @@ async def test_bad_requests_are_rejected_and_the_learner_keeps_serving(
     events = await watch(make_bus, wrong_schema, {JobEventType.REJECTED}, 60)
     assert "config.model" in events[-1].data["reason"]
     # ... and it still serves the next good job.
-    good = unique_id("good")
-    await producer.publish(
-        JobRequest(
-            job_id=good,
-            org_id=stack.org_id,
-            token=stack.org_token,
-            config=copy_config(model, steps=2),
-        )
-    )
+    good = await user.start(copy_config(model, steps=2))
     events = await watch(
         make_bus, good, {JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.REJECTED}, 300
     )
@@ -254,37 +276,20 @@ async def test_bad_requests_are_rejected_and_the_learner_keeps_serving(
         e.type for e in events
     ]
     # A second use of a job id is refused.
-    await producer.publish(
-        JobRequest(
-            job_id=good,
-            org_id=stack.org_id,
-            token=stack.org_token,
-            config=copy_config(model, steps=2),
-        )
-    )
+    await user.start(copy_config(model, steps=2), good)
     events = await watch(make_bus, good, {JobEventType.REJECTED}, 60)
     assert "was used already" in events[-1].data["reason"]
 
 
 @pytest.mark.timeout(900)
 async def test_a_learner_killed_mid_job_resumes_with_nothing_lost_or_trained_twice(
-    node, kafka_broker, make_bus, learner_group
+    node, kafka_broker, make_bus, learner_group, user
 ) -> None:
-    stack, model, _token, directory = node
+    _stack, model, _token, directory = node
     group = learner_group
     first = start_learner(node, kafka_broker, name="resume", group=group)
-    job_id = unique_id("job")
     steps = 14
-    producer = make_bus("user")
-    await producer.start()
-    await producer.publish(
-        JobRequest(
-            job_id=job_id,
-            org_id=stack.org_id,
-            token=stack.org_token,
-            config=copy_config(model, steps, checkpoint_every=4),
-        )
-    )
+    job_id = await user.start(copy_config(model, steps, checkpoint_every=4))
     # Kill it once a checkpoint (step 4) exists and training has gone past it.
     await watch(
         make_bus, job_id, lambda e: e.type is JobEventType.TRAIN_STEP and e.data["step"] >= 6, 300
@@ -314,34 +319,17 @@ async def test_a_learner_killed_mid_job_resumes_with_nothing_lost_or_trained_twi
 
 @pytest.mark.timeout(600)
 async def test_cancel_stops_a_running_job_and_a_queued_one(
-    node, kafka_broker, make_bus, learner_group
+    node, kafka_broker, make_bus, learner_group, user
 ) -> None:
     stack, model, _token, directory = node
     start_learner(node, kafka_broker, name="cancel", group=learner_group)
     running, queued = unique_id("running"), unique_id("queued")
-    producer = make_bus("user")
-    await producer.start()
     for job_id in (running, queued):  # one job at a time: the second waits in the queue
-        await producer.publish(
-            JobRequest(
-                job_id=job_id,
-                org_id=stack.org_id,
-                token=stack.org_token,
-                config=copy_config(model, steps=500, checkpoint_every=1000),
-            )
-        )
+        await user.start(copy_config(model, steps=500, checkpoint_every=1000), job_id)
         # Requests of different jobs sit in different partitions: no order between them.
         await watch(make_bus, job_id, {JobEventType.STARTED, JobEventType.QUEUED}, 120)
     events = await watch(make_bus, queued, {JobEventType.QUEUED}, 120)
-    await producer.publish(
-        JobRequest(
-            job_id=queued,
-            org_id=stack.org_id,
-            token=stack.org_token,
-            action="cancel",
-            reason="changed my mind",
-        )
-    )
+    await user.cancel(queued, reason="changed my mind")
     events = await watch(make_bus, queued, {JobEventType.CANCELLED}, 60)
     assert events[-1].data["reason"] == "changed my mind"
     await watch(
@@ -349,13 +337,9 @@ async def test_cancel_stops_a_running_job_and_a_queued_one(
     )
     # Another org cannot cancel it ...
     _other_org, other_token = stack.vault.new_org()
-    await producer.publish(
-        JobRequest(job_id=running, org_id=stack.org_id, token=other_token, action="cancel")
-    )
+    await user.cancel(running, token=other_token)
     # ... its owner can.
-    await producer.publish(
-        JobRequest(job_id=running, org_id=stack.org_id, token=stack.org_token, action="cancel")
-    )
+    await user.cancel(running)
     events = await watch(make_bus, running, {JobEventType.CANCELLED, JobEventType.FAILED}, 120)
     kinds = [e.type for e in events]
     rejected = [e for e in events if e.type is JobEventType.REJECTED]
@@ -369,15 +353,7 @@ async def test_cancel_stops_a_running_job_and_a_queued_one(
     checkpoint = directory / "learner-data" / "checkpoints" / running / "checkpoints"
     assert (checkpoint / f"step-{stopped_at:06d}" / "model.safetensors").exists()
     # The learner takes the next job, and nothing more of the cancelled one is trained.
-    follow_up = unique_id("next")
-    await producer.publish(
-        JobRequest(
-            job_id=follow_up,
-            org_id=stack.org_id,
-            token=stack.org_token,
-            config=copy_config(model, steps=2),
-        )
-    )
+    follow_up = await user.start(copy_config(model, steps=2))
     events = await watch(make_bus, follow_up, {JobEventType.COMPLETED, JobEventType.FAILED}, 300)
     assert JobEventType.COMPLETED in [e.type for e in events], [e.message for e in events]
     everything = await watch(make_bus, running, None, 5)
@@ -388,25 +364,15 @@ async def test_cancel_stops_a_running_job_and_a_queued_one(
 
 @pytest.mark.timeout(600)
 async def test_a_data_parallel_learner_trains_over_two_ranks(
-    node, kafka_broker, make_bus, learner_group
+    node, kafka_broker, make_bus, learner_group, user
 ) -> None:
     """LEARNER_DEVICES=cpu,cpu: the service is rank 0 and spawns rank 1 (gloo), as it would
     over two GPUs with NCCL; after the job the rank is gone."""
-    stack, model, _token, _directory = node
+    _stack, model, _token, _directory = node
     learner = start_learner(
         node, kafka_broker, name="ddp", group=learner_group, LEARNER_DEVICES="cpu,cpu"
     )
-    job_id = unique_id("ddp")
-    producer = make_bus("user")
-    await producer.start()
-    await producer.publish(
-        JobRequest(
-            job_id=job_id,
-            org_id=stack.org_id,
-            token=stack.org_token,
-            config=copy_config(model, steps=4, checkpoint_every=2),
-        )
-    )
+    job_id = await user.start(copy_config(model, steps=4, checkpoint_every=2), unique_id("ddp"))
     events = await watch(make_bus, job_id, {JobEventType.COMPLETED, JobEventType.FAILED}, 300)
     assert JobEventType.COMPLETED in [e.type for e in events], [e.message for e in events[-5:]]
     train = [e.data for e in events if e.type is JobEventType.TRAIN_STEP]
