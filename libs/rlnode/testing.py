@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import socket
+import subprocess
+import sys
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -173,3 +175,17 @@ def free_port_block(offsets: tuple[int, ...] = (0, 10, 20, 30, 40)) -> int:
             continue
         return base
     raise RuntimeError("no free block of ports found")
+
+
+def run_rlnode(
+    env: dict[str, str], *args: str, timeout: float = 120, cwd: Path | None = None
+) -> subprocess.CompletedProcess:
+    """`rlnode ARGS` as a user runs it: a child process with exactly `env`, output captured."""
+    return subprocess.run(
+        [sys.executable, "-m", "rlnode.cli", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=cwd,
+    )

@@ -22,7 +22,7 @@ from rlnode.engine.tiny import init_tiny_model
 from rlnode.node import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
 from rlnode.sdk.jobs import JobsClient
-from rlnode.testing import unique_id
+from rlnode.testing import run_rlnode, unique_id
 
 STEPS = 4
 
@@ -84,14 +84,7 @@ def cli(node, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         "RLNODE_CHECKPOINT_URL": running.url("checkpoint-server"),
         "RLNODE_DATA_DIR": str(directory / "user"),
     }
-    return subprocess.run(
-        [sys.executable, "-m", "rlnode.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=directory,
-    )
+    return run_rlnode(env, *args, timeout=timeout, cwd=directory)
 
 
 @pytest.fixture(scope="module")

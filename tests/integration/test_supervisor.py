@@ -13,17 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlnode.testing import free_port_block, processes_with
-
-
-def rlnode(env: dict[str, str], *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "rlnode.cli", *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+from rlnode.testing import free_port_block, processes_with, run_rlnode
 
 
 def wait_for(check, timeout_s: float, what: str):
@@ -53,8 +43,8 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_for(lambda: rlnode(env, "status").returncode == 0, 180, "the node is healthy")
-        status = rlnode(env, "status").stdout
+        wait_for(lambda: run_rlnode(env, "status").returncode == 0, 180, "the node is healthy")
+        status = run_rlnode(env, "status").stdout
         for service in (
             "credential-vault",
             "taskapp-gateway",
@@ -65,7 +55,7 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
             assert service in status
         assert f"127.0.0.1:{base + 30}" in status  # fixed ports from the base
         # A second node on the same data directory is refused.
-        again = rlnode(env, "up", "--gpus", "0", "--port-base", str(base))
+        again = run_rlnode(env, "up", "--gpus", "0", "--port-base", str(base))
         assert again.returncode == 1 and "a node is up already" in again.stderr
 
         state = json.loads((tmp_path / "node.json").read_text())
@@ -75,7 +65,7 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
         def learner_back() -> dict | None:
             services = json.loads((tmp_path / "node.json").read_text())["services"]
             learner = services["learner"]
-            healthy = rlnode(env, "status").returncode == 0
+            healthy = run_rlnode(env, "status").returncode == 0
             return (
                 learner
                 if healthy and learner["pid"] != killed and learner["restarts"] == 1
@@ -87,7 +77,7 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
         assert "learner exited with code -9; starting it again" in said
         assert "learner started again" in said
 
-        stopped = rlnode(env, "down")
+        stopped = run_rlnode(env, "down")
         assert stopped.returncode == 0, stopped.stderr
         assert up.wait(60) == 0
     finally:
@@ -99,4 +89,4 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
     assert "stopped cleanly" in said, said[-2000:]
     assert not (tmp_path / "node.json").exists()
     assert processes_with(str(tmp_path)) == []
-    assert rlnode(env, "status").returncode == 1
+    assert run_rlnode(env, "status").returncode == 1
