@@ -14,12 +14,13 @@ import asyncio
 import base64
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, MessageSizeTooLargeError
+from aiokafka.partitioner import DefaultPartitioner
 from faststream import AckPolicy
 from faststream.kafka import KafkaBroker
 from faststream.kafka.annotations import KafkaMessage
@@ -412,6 +413,13 @@ def topic_for(message: BaseModel) -> str:
         if isinstance(message, topics.payload_type(name)):
             return name
     raise ValueError(f"{type(message).__name__} has no topic of its own; pass topic=")
+
+
+def partition_for(job_id: str, partitions: Iterable[int]) -> int:
+    """The partition that records keyed by `job_id` land on: Kafka's default partitioner
+    (murmur2 of the key), which every producer here uses, over the topic's partitions."""
+    ordered = sorted(partitions)
+    return DefaultPartitioner()(job_id.encode(), ordered, ordered)
 
 
 def _key_of(message: BaseModel) -> bytes | None:

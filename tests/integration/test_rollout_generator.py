@@ -16,12 +16,11 @@ import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
-from aiokafka.partitioner import DefaultPartitioner
 from fastapi import FastAPI, Header, HTTPException, Request
 from safetensors.torch import load_file
 
 from rlnode import topics
-from rlnode.bus import Bus
+from rlnode.bus import Bus, partition_for
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.engine.torch_engine import TorchEngine
 from rlnode.messages import (
@@ -103,12 +102,11 @@ async def work_partitions(bootstrap: str) -> list[int]:
 def job_ids_on_every_partition(partitions: list[int], per_partition: int) -> list[str]:
     """Job ids whose records (keyed by job id) land on each partition `per_partition` times,
     by the producer's own partitioner: random ids leave a partition empty now and then."""
-    choose = DefaultPartitioner()
     wanted = {p: per_partition for p in partitions}
     chosen: list[str] = []
     while any(wanted.values()):
         job = unique_id("job")
-        partition = choose(job.encode(), partitions, partitions)
+        partition = partition_for(job, partitions)
         if wanted[partition]:
             wanted[partition] -= 1
             chosen.append(job)

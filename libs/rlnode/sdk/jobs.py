@@ -18,10 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from aiokafka import TopicPartition
-from aiokafka.partitioner import DefaultPartitioner
 
 from rlnode import topics
-from rlnode.bus import Bus, BusUnavailable
+from rlnode.bus import Bus, BusUnavailable, partition_for
 from rlnode.codec import DecodeError, decode
 from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest
 from rlnode.settings import KafkaSettings
@@ -190,8 +189,7 @@ async def _partition_of(consumer, topic: str, job_id: str) -> TopicPartition:
         await consumer._client.force_metadata_update()
         partitions = consumer.partitions_for_topic(topic)
         await asyncio.sleep(0.1)
-    ordered = sorted(partitions)
-    return TopicPartition(topic, DefaultPartitioner()(job_id.encode(), ordered, ordered))
+    return TopicPartition(topic, partition_for(job_id, partitions))
 
 
 def _job_event(raw: bytes) -> JobEvent | None:
