@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import copy_task_node, job_config, machine, training_arguments, write_results
+from bench_common import copy_task_node, job_config, training_arguments, write_results
 
 from rlnode.engine.tiny import init_tiny_model
 from rlnode.messages import JobConfig, JobEventType
@@ -108,12 +108,12 @@ def main() -> None:
     ]
     write_results(
         "async_modes",
-        {"machine": machine(), "config": vars(args), "rows": rows, "runs": results},
+        args,
         "max_async on the full services (one node, tiny model, copy task)",
         table,
-        "python bench/async_modes.py " + " ".join(f"--{k} {v}" for k, v in vars(args).items()),
+        rows=rows,
+        runs=results,
     )
-    print("\n".join(table))
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import json
 import os
 import platform
 import subprocess
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -47,12 +48,19 @@ def machine() -> dict[str, Any]:
     }
 
 
-def write_results(
-    name: str, result: dict[str, Any], title: str, table: list[str], command: str
-) -> Path:
+def write_results(name: str, args, title: str, table: list[str], **result: Any) -> Path:
+    """bench/results/NAME.json (the machine, the configuration `args` and `result`) and
+    NAME.md (the title, the command that repeats the run, the machine, `table`); prints
+    the table."""
+    m = machine()
+    script = Path(sys.argv[0]).name
+    command = f"python bench/{script} " + " ".join(
+        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+    )
     RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    m = result["machine"]
+    (RESULTS / f"{name}.json").write_text(
+        json.dumps({"machine": m, "config": vars(args), **result}, indent=2, default=str) + "\n"
+    )
     lines = [
         f"# {title}",
         "",
@@ -66,6 +74,7 @@ def write_results(
     ]
     path = RESULTS / f"{name}.md"
     path.write_text("\n".join(lines))
+    print("\n".join(table))
     return path
 
 

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from async_modes import run_job
-from bench_common import copy_task_node, job_config, machine, training_arguments, write_results
+from bench_common import copy_task_node, job_config, training_arguments, write_results
 from inprocess import LoopConfig, run_loop
 
 from rlnode.engine.tiny import init_tiny_model
@@ -71,13 +71,12 @@ def main() -> None:
     ]
     write_results(
         "overhead",
-        {"machine": machine(), "config": vars(args), "runs": runs, "median": median},
+        args,
         "B3: full services vs the in-process loop (tiny model, copy task)",
         table,
-        "python bench/overhead.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        runs=runs,
+        median=median,
     )
-    print("\n".join(table))
 
 
 if __name__ == "__main__":

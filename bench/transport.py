@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench_common import machine, write_results
+from bench_common import write_results
 
 from rlnode import topics
 from rlnode.bus import Bus
@@ -204,13 +204,12 @@ def main() -> None:
     ]
     write_results(
         "transport",
-        {"machine": machine(), "config": vars(args), "runs": runs, "record_bytes": record_bytes},
+        args,
         "B4: transport through the broker and weight-sync latency",
         table,
-        "python bench/transport.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        runs=runs,
+        record_bytes=record_bytes,
     )
-    print("\n".join(table))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import copy_task_node, job_config, machine, training_arguments, write_results
+from bench_common import copy_task_node, job_config, training_arguments, write_results
 from inprocess import COPY
 
 from rlnode.engine.tiny import init_tiny_model
@@ -241,13 +241,13 @@ def main() -> None:
     ]
     write_results(
         "vs_trl",
-        {"machine": machine(), "config": vars(args), "rows": rows, "ratio": ratio, "runs": results},
+        args,
         "B1: rlnode (full services) against TRL GRPOTrainer, same model, task and settings",
         table,
-        "python bench/vs_trl.py "
-        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()),
+        rows=rows,
+        ratio=ratio,
+        runs=results,
     )
-    print("\n".join(table))
 
 
 if __name__ == "__main__":
