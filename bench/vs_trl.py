@@ -112,7 +112,9 @@ def run_trl(model: Path, args, workdir: Path) -> dict:
         "--trl-worker",
         str(model),
         str(out),
-        *(f"--steps={args.steps} --prompts={args.prompts} --group={args.group}".split()),
+        f"--steps={args.steps}",
+        f"--prompts={args.prompts}",
+        f"--group={args.group}",
         f"--lr={args.lr}",
         f"--minibatches={args.minibatches}",
         f"--seed={args.seed}",
@@ -162,7 +164,7 @@ def summarise(rewards: list[float], times: list[float], args) -> dict:
     }
 
 
-async def rlnode_rounds(node, org, model: Path, args, workdir: Path) -> dict[str, list[dict]]:
+async def interleaved_rounds(node, org, model: Path, args, workdir: Path) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {"rlnode": [], "trl": []}
     async with JobsClient(org.org_id, org.token, node.kafka_settings()) as jobs:
         for round_ in range(args.repeats):
@@ -203,7 +205,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "tiny", seed=0)
         with copy_task_node(Path(tmp) / "node", {"GENERATOR_CONCURRENCY": "256"}) as (node, org):
-            results = asyncio.run(rlnode_rounds(node, org, model, args, Path(tmp)))
+            results = asyncio.run(interleaved_rounds(node, org, model, args, Path(tmp)))
     rows = []
     for system in ("rlnode", "trl"):
         runs = results[system]
