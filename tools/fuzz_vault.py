@@ -64,8 +64,12 @@ def main() -> int:
                         str(args.seed),
                         "--phases",
                         "examples,coverage,fuzzing",
+                        # One worker: schemathesis's workers are threads, and CPython 3.11.7's
+                        # ast module keeps its recursion depth in shared state, so two threads
+                        # describing hypothesis lambdas at once can raise "AST constructor
+                        # recursion depth mismatch" (CPython gh-106905; fixed in 3.11.8).
                         "--workers",
-                        "2",
+                        "1",
                         "--no-color",
                         "--warnings",
                         "off",
