@@ -11,11 +11,10 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
 from rlnode.engine import EngineError, GenerationRequest, render_chat
 from rlnode.messages import RolloutFailure, RolloutWork, TokenTurn, Trajectory
 from rlnode.openai_api import cut_at_stop
+from rlnode.pooled_http import HttpCallError, PooledHttp, Reply, TimedOut
 from rlnode.taskapp.contract import (
     PolicyConfig,
     RolloutEnvSpec,
@@ -123,7 +122,7 @@ class RolloutRunner:
         self.weights = weights
         token = settings.service_token.get_secret_value() if settings.service_token else None
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = httpx.AsyncClient(base_url=settings.gateway_url.rstrip("/"))
+        self._http = PooledHttp(settings.gateway_url, max_connections=settings.concurrency)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -198,22 +197,22 @@ class RolloutRunner:
         timeout = work.task_app.rollout_timeout_s + self.settings.rollout_timeout_margin_s
         try:
             response = await self._http.post(
-                "/v1/rollouts", json=body, headers=self._headers, timeout=timeout
+                "/v1/rollouts", json=body, headers=self._headers, timeout_s=timeout
             )
-        except httpx.TimeoutException:
+        except TimedOut:
             return RolloutFailure(
                 kind="timeout", message=f"the gateway did not answer within {timeout:g}s"
             )
-        except httpx.HTTPError as e:
+        except HttpCallError as e:
             return RolloutFailure(
                 kind="internal",
                 message=f"cannot reach the gateway at {self.settings.gateway_url}: {e}",
             )
-        if response.status_code != 200:
+        if response.status != 200:
             detail = _detail(response)
-            kind = "task_app_unreachable" if response.status_code == 404 else "internal"
+            kind = "task_app_unreachable" if response.status == 404 else "internal"
             return RolloutFailure(
-                kind=kind, message=f"the gateway answered {response.status_code}: {detail}"
+                kind=kind, message=f"the gateway answered {response.status}: {detail}"
             )
         outcome = response.json()
         if outcome.get("status") != "ok":
@@ -278,7 +277,7 @@ class RolloutRunner:
         )
 
 
-def _detail(response: httpx.Response) -> str:
+def _detail(response: Reply) -> str:
     try:
         return str(response.json().get("detail", response.text))[:2000]
     except ValueError:

@@ -11,10 +11,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 from pydantic import ValidationError
 
 from rlnode.codec import describe_validation_error
+from rlnode.pooled_http import ConnectFailed, ConnectionBroke, PooledHttp, Reply, TimedOut
 from rlnode.taskapp.contract import (
     API_KEY_HEADER,
     NormalisedRollout,
@@ -66,9 +66,7 @@ class TaskAppClient:
     def __init__(self, connect_timeout_s: float, connect_retries: int) -> None:
         self.connect_timeout_s = connect_timeout_s
         self.connect_retries = connect_retries
-        self._http = httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=64)
-        )
+        self._http = PooledHttp(max_connections=1024, connect_timeout_s=connect_timeout_s)
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -81,33 +79,31 @@ class TaskAppClient:
         timeout_s: float,
         json: Any = None,
         params: Any = None,
-    ) -> tuple[httpx.Response, int]:
-        """One call, retried on connection errors only; returns (response, attempts)."""
+    ) -> tuple[Reply, int]:
+        """One call, retried on connection errors only; returns (reply, attempts)."""
         headers = {API_KEY_HEADER: key} if key is not None else {}
-        timeout = httpx.Timeout(timeout_s, connect=min(self.connect_timeout_s, timeout_s))
         attempts = 0
         while True:
             attempts += 1
             try:
-                response = await self._http.request(
-                    method, url, headers=headers, json=json, params=params, timeout=timeout
+                reply = await self._http.request(
+                    method, url, headers=headers, json=json, params=params, timeout_s=timeout_s
                 )
-                return response, attempts
-            except (httpx.ConnectError, httpx.ConnectTimeout) as e:
+                return reply, attempts
+            except ConnectFailed as e:
                 if attempts > self.connect_retries:
                     raise TaskAppFailure(
                         "task_app_unreachable",
                         f"cannot connect to the Task App at {url} after {attempts} attempts: {e}",
                     ) from None
                 await asyncio.sleep(min(0.2 * 2 ** (attempts - 1), 2.0))
-            except (httpx.ReadTimeout, httpx.WriteTimeout, httpx.PoolTimeout):
+            except TimedOut:
                 raise TaskAppFailure(
                     "timeout", f"the Task App did not answer {method} {url} within {timeout_s:g}s"
                 ) from None
-            except httpx.HTTPError as e:
+            except ConnectionBroke as e:
                 raise TaskAppFailure(
-                    "task_app_error",
-                    f"the connection to the Task App broke: {type(e).__name__}: {e}",
+                    "task_app_error", f"the connection to the Task App broke: {e}"
                 ) from None
 
     async def get_json(
@@ -116,8 +112,8 @@ class TaskAppClient:
         response, _ = await self.request(
             "GET", base_url.rstrip("/") + path, key, timeout_s, params=params
         )
-        if response.status_code != 200:
-            raise classify_status(response.status_code, response.text)
+        if response.status != 200:
+            raise classify_status(response.status, response.text)
         try:
             return response.json()
         except ValueError:
@@ -136,8 +132,8 @@ class TaskAppClient:
             timeout_s,
             json=request.model_dump(mode="json"),
         )
-        if response.status_code != 200:
-            raise classify_status(response.status_code, response.text)
+        if response.status != 200:
+            raise classify_status(response.status, response.text)
         try:
             parsed = RolloutResponse.model_validate_json(response.content)
         except ValidationError as e:

@@ -189,10 +189,10 @@ class Gateway:
                 response, _ = await self.client.request("GET", url + "/health", sent, 10.0)
             except TaskAppFailure as e:
                 return Check(ok=False, detail=e.message)
-            if response.status_code not in (400, 401, 403):
+            if response.status not in (400, 401, 403):
                 return Check(
                     ok=False,
-                    detail=f"answered {response.status_code} to {label}: it must refuse calls without the right key",
+                    detail=f"answered {response.status} to {label}: it must refuse calls without the right key",
                 )
         return Check(ok=True, detail="refuses a wrong key and a missing one")
 

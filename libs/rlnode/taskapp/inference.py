@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-import httpx
+from rlnode.pooled_http import HttpCallError, PooledHttp
 
 
 class InferenceError(RuntimeError):
@@ -38,15 +38,15 @@ class InferenceClient:
         model: str,
         defaults: dict[str, Any] | None = None,
         timeout_s: float = 300.0,
-        client: httpx.AsyncClient | None = None,
+        client: PooledHttp | None = None,
     ) -> None:
         self.url = chat_completions_url(inference_url)
         self.model = model
         self.defaults = {k: v for k, v in (defaults or {}).items() if v is not None}
         self.timeout_s = timeout_s
-        # Pass a shared client where many episodes run: a new one costs an SSL context
-        # (~50 ms of CPU), which bounded a Task App to ~20 rollouts/s.
-        self._client = client or httpx.AsyncClient(timeout=timeout_s)
+        # Pass a shared client where many episodes run: a new one opens new connections
+        # (and, over TLS, builds an SSL context: ~50 ms of CPU) for every episode.
+        self._client = client or PooledHttp()
         self._owns_client = client is None
         self.calls = 0
 
@@ -54,16 +54,12 @@ class InferenceClient:
         body = {"model": self.model, "messages": messages, **self.defaults}
         body.update({k: v for k, v in sampling.items() if v is not None})
         try:
-            response = await self._client.post(self.url, json=body, timeout=self.timeout_s)
-        except httpx.HTTPError as e:
-            raise InferenceError(
-                f"inference call to {self.url} failed: {type(e).__name__}: {e}"
-            ) from e
+            response = await self._client.post(self.url, json=body, timeout_s=self.timeout_s)
+        except HttpCallError as e:
+            raise InferenceError(f"inference call to {self.url} failed: {e}") from e
         self.calls += 1
-        if response.status_code != 200:
-            raise InferenceError(
-                f"inference answered {response.status_code}: {response.text[:500]}"
-            )
+        if response.status != 200:
+            raise InferenceError(f"inference answered {response.status}: {response.text[:500]}")
         try:
             raw = response.json()
             choice = raw["choices"][0]

@@ -21,10 +21,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
-import httpx
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
+from rlnode.pooled_http import PooledHttp
 from rlnode.taskapp.contract import (
     RolloutMetrics,
     RolloutRequest,
@@ -140,11 +140,12 @@ def create_task_app(definition: TaskAppDefinition) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         # One connection pool for every episode's inference calls (see InferenceClient).
-        async with httpx.AsyncClient(
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        ) as client:
-            app.state.inference_http = client
+        client = PooledHttp()
+        app.state.inference_http = client
+        try:
             yield
+        finally:
+            await client.aclose()
 
     app = FastAPI(
         title=f"Task App: {definition.name}", version=definition.version, lifespan=lifespan
