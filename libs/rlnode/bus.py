@@ -169,20 +169,50 @@ class Bus:
 
     async def publish(self, message: BaseModel, topic: str | None = None) -> Published:
         """Publish a payload, keyed by its job id, to its topic (inferred from its type)."""
-        topic = topic or topic_for(message)
-        raw = encode(message)
-        if len(raw) > self.max_uncompressed_bytes:
-            raise RecordTooLarge(topic, len(raw), self.max_uncompressed_bytes)
-        key = _key_of(message)
+        return (await self.publish_all([message], topic))[0]
+
+    async def publish_all(
+        self, messages: list[BaseModel], topic: str | None = None
+    ) -> list[Published]:
+        """Publish payloads in this order and wait for every acknowledgement at once: the
+        producer batches them, where awaiting each in turn costs a broker round trip (and
+        the linger) per record."""
+        pending: list[asyncio.Future] = []
+        sizes: list[tuple[str, int]] = []  # (topic, bytes) of each record handed over
         try:
-            meta = await self.broker.publish(
-                raw, topic=topic, key=key, headers={SCHEMA_HEADER: message.SCHEMA}
-            )
-        except MessageSizeTooLargeError as e:
-            raise RecordTooLarge(topic, len(raw), self.settings.max_message_bytes) from e
-        except KafkaConnectionError as e:
-            raise BusUnavailable(self._unreachable(e)) from e
-        return Published(meta.topic, meta.partition, meta.offset)
+            for message in messages:
+                destination = topic or topic_for(message)
+                raw = encode(message)
+                if len(raw) > self.max_uncompressed_bytes:
+                    raise RecordTooLarge(destination, len(raw), self.max_uncompressed_bytes)
+                sizes.append((destination, len(raw)))
+                pending.append(
+                    await self.broker.publish(
+                        raw,
+                        topic=destination,
+                        key=_key_of(message),
+                        headers={SCHEMA_HEADER: message.SCHEMA},
+                        no_confirm=True,  # a future of the acknowledgement, awaited below
+                    )
+                )
+        except BaseException as e:
+            # What was handed over before the failure settles first (like publishing in turn).
+            await asyncio.gather(*pending, return_exceptions=True)
+            if isinstance(e, MessageSizeTooLargeError):  # refused before sending: the last one
+                destination, size = sizes[-1]
+                raise RecordTooLarge(destination, size, self.settings.max_message_bytes) from e
+            if isinstance(e, KafkaConnectionError):
+                raise BusUnavailable(self._unreachable(e)) from e
+            raise
+        metas = await asyncio.gather(*pending, return_exceptions=True)
+        for (destination, size), meta in zip(sizes, metas, strict=True):
+            if isinstance(meta, MessageSizeTooLargeError):
+                raise RecordTooLarge(destination, size, self.settings.max_message_bytes) from meta
+            if isinstance(meta, KafkaConnectionError):
+                raise BusUnavailable(self._unreachable(meta)) from meta
+            if isinstance(meta, BaseException):
+                raise meta
+        return [Published(m.topic, m.partition, m.offset) for m in metas]
 
     # -- consuming -----------------------------------------------------------------------
 

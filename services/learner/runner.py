@@ -161,26 +161,28 @@ class JobRunner:
         if step <= self.issued:
             return
         t, seeds = self.config.training, self.config.seeds
+        work = []
         for prompt in range(t.prompts_per_step):
             index = step * t.prompts_per_step + prompt
             seed = seeds.start + (index % seeds.count if seeds.count else index)
-            for sample in range(t.group_size):
-                await self.bus.publish(
-                    RolloutWork(
-                        id=work_id(self.job_id, step, prompt, sample),
-                        job_id=self.job_id,
-                        org_id=self.org_id,
-                        step=step,
-                        policy_version=self.version,
-                        group_id=f"{step}/{prompt}",
-                        seed=seed,
-                        sample_index=sample,
-                        group_size=t.group_size,
-                        model=self.config.model,
-                        task_app=self.config.task_app,
-                        sampling=self.config.sampling,
-                    )
+            work.extend(
+                RolloutWork(
+                    id=work_id(self.job_id, step, prompt, sample),
+                    job_id=self.job_id,
+                    org_id=self.org_id,
+                    step=step,
+                    policy_version=self.version,
+                    group_id=f"{step}/{prompt}",
+                    seed=seed,
+                    sample_index=sample,
+                    group_size=t.group_size,
+                    model=self.config.model,
+                    task_app=self.config.task_app,
+                    sampling=self.config.sampling,
                 )
+                for sample in range(t.group_size)
+            )
+        await self.bus.publish_all(work)
         self.issued = step
 
     async def _gather(self, step: int) -> list[Trajectory]:

@@ -187,6 +187,46 @@ async def test_per_job_order_holds_across_partitions(make_bus, kafka_settings) -
     assert topic_settings.partitions == 3
 
 
+async def test_publish_all_keeps_the_order_and_stops_at_an_oversized_record(
+    make_bus, kafka_settings
+) -> None:
+    job_id = unique_id("job")
+    small = KafkaSettings(
+        bootstrap_servers=kafka_settings.bootstrap_servers, max_message_bytes=1024 * 1024
+    )
+    bus = make_bus("batch", small)
+    got: asyncio.Queue = asyncio.Queue()
+    bus.subscribe(topics.JOB_EVENTS, _queue_handler(got), group_id=None, commit="none")
+    await bus.start()
+
+    def event(seq: int, padding: int = 0) -> JobEvent:
+        return JobEvent(
+            job_id=job_id,
+            org_id="o",
+            type=JobEventType.QUEUED,
+            source="t",
+            data={"seq": seq, "padding": "x" * padding},
+        )
+
+    published = await bus.publish_all([event(seq) for seq in range(200)])
+    assert len({p.partition for p in published}) == 1
+    offsets = [p.offset for p in published]
+    assert offsets == list(range(offsets[0], offsets[0] + 200))
+    for seq in range(200):
+        received, delivery = await next_matching(got, lambda item: item[0].job_id == job_id)
+        assert (received.data["seq"], delivery.offset) == (seq, offsets[seq])
+
+    # The records before the oversized one are published (as publishing in turn would);
+    # none after it.
+    with pytest.raises(RecordTooLarge, match=r"does not fit rlnode.job-events"):
+        await bus.publish_all([event(200), event(201, padding=5_000_000), event(202)])
+    received, _ = await next_matching(got, lambda item: item[0].job_id == job_id)
+    assert received.data["seq"] == 200
+    await bus.publish(event(203))
+    received, _ = await next_matching(got, lambda item: item[0].job_id == job_id)
+    assert received.data["seq"] == 203
+
+
 async def test_topics_are_created_with_the_partition_count(make_bus, kafka_settings) -> None:
     from aiokafka.admin import AIOKafkaAdminClient
 
