@@ -90,6 +90,7 @@ def serve(service: str, settings_type: type[S], app_factory: Callable[[S], FastA
         host=settings.host,
         port=settings.port,
         log_level=settings.log_level,
+        access_log=settings.access_log,
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         lifespan="on",
     )

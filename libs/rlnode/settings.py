@@ -97,6 +97,10 @@ class ServiceSettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(ge=0, le=65535)
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # Off by default: a line per request is three per rollout on the hot path (a few percent
+    # of the gateway's CPU), and the generator's request paths are per-rollout capability
+    # URLs that do not belong in a log file.
+    access_log: bool = False
     shutdown_grace_s: float = Field(15.0, gt=0)
 
     node: NodeSettings = Field(default_factory=NodeSettings)

@@ -37,3 +37,9 @@ class GatewaySettings(ServiceSettings):
     connect_timeout_s: float = Field(5.0, gt=0)
     connect_retries: int = Field(3, ge=0, description="Retries on connection errors only.")
     key_cache_s: float = Field(300.0, ge=0, description="How long an unsealed key is reused.")
+    registry_cache_s: float = Field(
+        2.0,
+        ge=0,
+        description="How long a Task App's registration is reused for rollouts before it is "
+        "read from the database again (this gateway's own changes apply at once).",
+    )

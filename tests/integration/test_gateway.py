@@ -282,6 +282,22 @@ def test_unreachable_task_app_is_retried_then_classified(node: Node) -> None:
     assert "after 3 attempts" in outcome["error"]["message"]
 
 
+def test_a_re_registered_task_app_is_used_at_once(node: Node) -> None:
+    """The gateway keeps registrations in memory for rollouts; its own changes apply at once."""
+    with node.client() as gateway:
+        gateway.register("moving", url=f"http://127.0.0.1:{free_port()}")
+    assert run(node, "moving")["error"]["kind"] == "task_app_unreachable"
+    with node.client() as gateway:
+        gateway.remove("moving")
+    with pytest.raises(GatewayError) as gone:
+        run(node, "moving")
+    assert gone.value.status == 404 and "no Task App named 'moving'" in str(gone.value)
+    with node.client() as gateway:
+        gateway.register("moving", url=f"{node.bad_url}/crash")
+    outcome = run(node, "moving")
+    assert outcome["error"]["kind"] == "task_app_error" and "(500)" in outcome["error"]["message"]
+
+
 def test_external_app_that_accepts_any_key_fails_verification(node: Node) -> None:
     with node.client() as gateway:
         gateway.register("lax", url=f"{node.bad_url}/nokeycheck")
