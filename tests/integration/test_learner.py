@@ -185,8 +185,8 @@ async def test_a_job_learns_the_copy_task(
     _stack, model, _token, _directory = node
     learner = start_learner(node, kafka_broker, group=learner_group)
     # 8 prompts x 16 samples, lr 3e-3, 2 optimizer steps per step (the copy-task defaults);
-    # about 5 minutes through the services on 2 CPU cores.
-    steps = int(os.environ.get("RLNODE_E2E_STEPS", "100"))
+    # about 4 minutes through the services on 2 CPU cores.
+    steps = int(os.environ.get("RLNODE_E2E_STEPS", "150"))
     job_id = await user.start(copy_task_config(model, steps, checkpoint_every=10))
     events = await watch(
         make_bus, job_id, {JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.REJECTED}, 900
@@ -201,8 +201,9 @@ async def test_a_job_learns_the_copy_task(
     print("rewards", [round(d["reward_mean"], 2) for d in train])
     print("waited for data (s)", round(sum(d["wait_s"] for d in train), 1))
     print("computed (s)", round(sum(d["compute_s"] for d in train), 1))
-    # bench/inprocess.py with this config, 100 steps: gain over 16 seeds median +0.89,
-    # 15 of 16 at least +0.4 (one sat on the ~0.25 plateau of "a, b or c, not copied").
+    # bench/inprocess.py with this config over 16 seeds: at 100 steps 15 reach +0.4 (a run
+    # can sit on the ~0.25 plateau of "a, b or c, not copied" for a while, and one did here
+    # too); at 150 steps all 16 do (min +0.50, median +0.87).
     assert mean(last) >= mean(first) + 0.4
     assert all(d["staleness_max"] <= 1 for d in train)  # max_async 1
     assert JobEventType.WEIGHTS_LOADED in kinds and JobEventType.CHECKPOINT_SAVED in kinds
