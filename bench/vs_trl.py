@@ -197,7 +197,7 @@ def main() -> None:
         trl_worker(Path(args.trl_worker[0]), args, Path(args.trl_worker[1]))
         return
     parser = argparse.ArgumentParser(description=__doc__)
-    training_arguments(parser, steps=40, max_async=1)
+    training_arguments(parser, steps=100, max_async=1)
     parser.set_defaults(group=16, lr=3e-3, minibatches=2)  # the copy task's defaults
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
