@@ -16,7 +16,7 @@ import logging
 import re
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, NoReturn, TypeVar
 
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError, MessageSizeTooLargeError
@@ -198,21 +198,22 @@ class Bus:
         except BaseException as e:
             # What was handed over before the failure settles first (like publishing in turn).
             await asyncio.gather(*pending, return_exceptions=True)
-            if isinstance(e, MessageSizeTooLargeError):  # refused before sending: the last one
-                destination, size = sizes[-1]
-                raise RecordTooLarge(destination, size, self.settings.max_message_bytes) from e
-            if isinstance(e, KafkaConnectionError):
-                raise BusUnavailable(self._unreachable(e)) from e
+            if sizes:  # a size refusal comes before sending: it is the last record's
+                self._raise_publish_error(e, *sizes[-1])
             raise
         metas = await asyncio.gather(*pending, return_exceptions=True)
         for (destination, size), meta in zip(sizes, metas, strict=True):
-            if isinstance(meta, MessageSizeTooLargeError):
-                raise RecordTooLarge(destination, size, self.settings.max_message_bytes) from meta
-            if isinstance(meta, KafkaConnectionError):
-                raise BusUnavailable(self._unreachable(meta)) from meta
             if isinstance(meta, BaseException):
-                raise meta
+                self._raise_publish_error(meta, destination, size)
         return [Published(m.topic, m.partition, m.offset) for m in metas]
+
+    def _raise_publish_error(self, error: BaseException, topic: str, size: int) -> NoReturn:
+        """Raise a failed publish of a `size`-byte record to `topic` as this module names it."""
+        if isinstance(error, MessageSizeTooLargeError):
+            raise RecordTooLarge(topic, size, self.settings.max_message_bytes) from error
+        if isinstance(error, KafkaConnectionError):
+            raise BusUnavailable(self._unreachable(error)) from error
+        raise error
 
     # -- consuming -----------------------------------------------------------------------
 

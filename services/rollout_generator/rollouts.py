@@ -121,8 +121,11 @@ class RolloutRunner:
         self.registry = registry
         self.weights = weights
         token = settings.service_token.get_secret_value() if settings.service_token else None
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._http = PooledHttp(settings.gateway_url, max_connections=settings.concurrency)
+        self._http = PooledHttp(
+            settings.gateway_url,
+            max_connections=settings.concurrency,
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+        )
 
     async def aclose(self) -> None:
         await self._http.aclose()
@@ -196,9 +199,7 @@ class RolloutRunner:
         rollout.outcome = None
         timeout = work.task_app.rollout_timeout_s + self.settings.rollout_timeout_margin_s
         try:
-            response = await self._http.post(
-                "/v1/rollouts", json=body, headers=self._headers, timeout_s=timeout
-            )
+            response = await self._http.post("/v1/rollouts", json=body, timeout_s=timeout)
         except TimedOut:
             return RolloutFailure(
                 kind="timeout", message=f"the gateway did not answer within {timeout:g}s"
