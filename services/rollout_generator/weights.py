@@ -20,6 +20,9 @@ class WeightSync:
         self.pool = pool
         self.bus = bus
         self._changed = asyncio.Condition()
+        # (job, version) refused once: its file and checksum do not change, so neither would
+        # the answer; without this every rollout's catch-up retried it and reported it again.
+        self._refused: set[tuple[str, int]] = set()
 
     async def wait_for(self, job_id: str, version: int, timeout_s: float) -> None:
         """Until the job's engine runs `version` or newer: work issued at version v must not be
@@ -57,12 +60,16 @@ class WeightSync:
 
     async def _load(self, version: WeightVersion) -> None:
         engines = self.pool.jobs[version.job_id]
-        if version.version <= engines.loaded_version:
+        key = (version.job_id, version.version)
+        if version.version <= engines.loaded_version or key in self._refused:
             return
         generator = self.settings.generator_id
         try:
             seconds, diff = await self.pool.load(engines, version)
         except WeightsRefused as e:
+            if key in self._refused:
+                return  # a concurrent attempt refused and reported it
+            self._refused.add(key)
             log.warning("refused weights v%d of %s: %s", version.version, version.job_id, e)
             await self.bus.publish(
                 JobEvent(

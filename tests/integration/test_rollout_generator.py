@@ -129,14 +129,20 @@ def stack(tmp_path_factory):
 
 
 def work_items(
-    stack: Stack, model: Path, job_id: str, count: int, task_app: str = "copy", **config
+    stack: Stack,
+    model: Path,
+    job_id: str,
+    count: int,
+    task_app: str = "copy",
+    policy_version: int = 0,
+    **config,
 ) -> list[RolloutWork]:
     return [
         RolloutWork(
             job_id=job_id,
             org_id=stack.org_id,
             step=0,
-            policy_version=0,
+            policy_version=policy_version,
             group_id=f"0/{i // 2}",
             seed=i // 2,
             sample_index=i % 2,
@@ -150,22 +156,34 @@ def work_items(
 
 
 async def collect(
-    bus_factory, job_id: str, want: int, within_s: float = 120.0, events: list | None = None
+    bus_factory,
+    job_id: str,
+    want: int,
+    within_s: float = 120.0,
+    events: list | None = None,
+    events_until=None,
 ) -> list[Trajectory]:
-    """Trajectories of `job_id` until `want` distinct work items are covered."""
+    """Trajectories of `job_id` until `want` distinct work items are covered (and, given
+    `events_until`, until it holds for the job's events: they come on another topic, so a
+    trajectory can arrive before the event that preceded it)."""
     bus: Bus = bus_factory("test-collector")
     got: dict = {}
     done = asyncio.Event()
+    seen: list[JobEvent] = [] if events is None else events
+
+    def check() -> None:
+        if len(got) >= want and (events_until is None or events_until(seen)):
+            done.set()
 
     async def on_trajectory(t: Trajectory, _d) -> None:
         if t.job_id == job_id:
             got.setdefault(t.work_id, []).append(t)
-            if len(got) >= want:
-                done.set()
+            check()
 
     async def on_event(e: JobEvent, _d) -> None:
-        if events is not None and e.job_id == job_id:
-            events.append(e)
+        if e.job_id == job_id:
+            seen.append(e)
+            check()
 
     bus.subscribe(topics.TRAJECTORIES, on_trajectory, group_id=None, commit="none")
     bus.subscribe(topics.JOB_EVENTS, on_event, group_id=None, commit="none")
@@ -283,11 +301,20 @@ async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
     await producer.publish(bad)
     good = bad.model_copy(update={"version": 2, "sha256": digest, "id": uuid.uuid4()})
     await producer.publish(good)
-    later = work_items(stack, tiny_model, job_id, 2)
-    await asyncio.sleep(1.0)
+    # Tagged with version 2, as the learner tags work: the generator waits until it has
+    # loaded v2 before sampling them (no sleep standing in for that).
+    later = work_items(stack, tiny_model, job_id, 2, policy_version=2)
     for item in later:
         await producer.publish(item)
-    trajectories = await collect(make_bus, job_id, 4, events=events)
+    trajectories = await collect(
+        make_bus,
+        job_id,
+        4,
+        events=events,
+        events_until=lambda seen: (
+            {JobEventType.WEIGHTS_LOADED, JobEventType.WEIGHTS_REFUSED} <= {e.type for e in seen}
+        ),
+    )
     refused = [e for e in events if e.type is JobEventType.WEIGHTS_REFUSED]
     loaded = [e for e in events if e.type is JobEventType.WEIGHTS_LOADED]
     assert [e.data["version"] for e in refused] == [1] and "sha256" in refused[0].data["reason"]
