@@ -116,13 +116,12 @@ class Gateway:
 
     async def unregister(self, org_id: str, name: str) -> None:
         record = self.get(org_id, name)
-        self._records.pop((org_id, name), None)
         managed = self.managed.pop((org_id, name), None)
         if managed is not None:
             await managed.stop()
         with session_scope(self.engine) as s:
             s.delete(s.get(TaskAppRecord, record.id))
-        self._records.pop((org_id, name), None)  # a rollout may have read it meanwhile
+        self._records.pop((org_id, name), None)  # after the delete, so no rollout re-caches it
 
     def managed_status(self, record: TaskAppRecord) -> ManagedTaskApp | None:
         return self.managed.get((record.org_id, record.name)) if record.kind == "managed" else None
