@@ -345,8 +345,12 @@ async def test_cancel_stops_a_running_job_and_a_queued_one(
     kinds = [e.type for e in events]
     rejected = [e for e in events if e.type is JobEventType.REJECTED]
     assert rejected and "cannot act on org" in rejected[0].data["reason"]
-    assert kinds[-1] is JobEventType.CANCELLED
-    stopped_at = events[-1].data["step"]
+    # The learner's last word on the job is job.cancelled (a generator may still report
+    # loading the last weights after it: another producer, the same partition).
+    ended = [e for e in events if e.source == "learner"][-1]
+    assert ended.type is JobEventType.CANCELLED, kinds
+    assert JobEventType.FAILED not in kinds
+    stopped_at = ended.data["step"]
     assert 2 <= stopped_at < 500
     # What was learned is kept: a checkpoint at the step it stopped.
     saved = [e for e in events if e.type is JobEventType.CHECKPOINT_SAVED]
