@@ -7,7 +7,6 @@ WORKDIR /opt/rlnode
 COPY pyproject.toml README.md ./
 COPY libs ./libs
 COPY services ./services
-COPY examples ./examples
 RUN pip install --no-cache-dir .
 
 RUN useradd --system --uid 10001 rlnode && mkdir -p /var/lib/rlnode && chown rlnode /var/lib/rlnode

@@ -84,7 +84,7 @@ def copy_task_node(directory: Path, generator_env: dict[str, str]) -> Iterator[t
     and uploaded, and the managed copy-task Task App registered as "copy": (node, org)."""
     import time
 
-    from rlnode.node import LocalNode, NodeOptions
+    from rlnode.node.local import LocalNode, NodeOptions
 
     with LocalNode(
         NodeOptions(
@@ -100,11 +100,12 @@ def copy_task_node(directory: Path, generator_env: dict[str, str]) -> Iterator[t
 
 def job_config(model: Path, args, max_async: int | None = None):
     """The copy-task job for the training arguments below (`max_async` None: args')."""
-    from rlnode.demo import copy_task_config
+    from rlnode.examples import example_job
 
-    return copy_task_config(
+    return example_job(
+        "copy_task",
         model,
-        args.steps,
+        steps=args.steps,
         prompts_per_step=args.prompts,
         group_size=args.group,
         learning_rate=args.lr,

@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from rlnode.engine import GenerationRequest, render_chat
-from rlnode.engine.tiny import init_tiny_model
 from rlnode.engine.torch_engine import TorchEngine
+from rlnode.models.tiny import init_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

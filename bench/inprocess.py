@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import statistics
 import sys
 import tempfile
@@ -24,25 +23,12 @@ from pathlib import Path
 from bench_common import training_arguments
 
 from rlnode.engine import GenerationRequest, render_chat
-from rlnode.engine.tiny import init_tiny_model
 from rlnode.engine.torch_engine import TorchEngine
+from rlnode.examples.taskapps import copy_task as COPY
 from rlnode.messages import TokenTurn, Trajectory
+from rlnode.models.tiny import init_tiny_model
 from rlnode.training.grpo import group_advantages, samples_from
 from rlnode.training.trainer import Trainer, TrainerConfig
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _copy_task():
-    spec = importlib.util.spec_from_file_location(
-        "copy_task", ROOT / "examples/taskapps/copy_task.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-COPY = _copy_task()
 
 
 @dataclass

@@ -18,7 +18,7 @@ from async_modes import run_job
 from bench_common import copy_task_node, job_config, training_arguments, write_results
 from inprocess import LoopConfig, run_loop
 
-from rlnode.engine.tiny import init_tiny_model
+from rlnode.models.tiny import init_tiny_model
 from rlnode.sdk.jobs import JobsClient
 
 

@@ -22,14 +22,13 @@ from pathlib import Path
 
 from bench_common import write_results
 
-from rlnode import topics
 from rlnode.bus import Bus
-from rlnode.codec import decode, encode
-from rlnode.engine.tiny import init_tiny_model
+from rlnode.bus.localbroker import LocalBroker
+from rlnode.bus.settings import KafkaSettings
 from rlnode.engine.torch_engine import TorchEngine
-from rlnode.localbroker import LocalBroker
-from rlnode.messages import ParityProbe, TokenTurn, Trajectory, WeightVersion
-from rlnode.settings import KafkaSettings
+from rlnode.messages import ParityProbe, TokenTurn, Trajectory, WeightVersion, topics
+from rlnode.messages.codec import decode, encode
+from rlnode.models.tiny import init_tiny_model
 from rlnode.training.trainer import Trainer, TrainerConfig
 
 

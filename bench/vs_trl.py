@@ -30,8 +30,8 @@ from pathlib import Path
 from bench_common import copy_task_node, job_config, training_arguments, write_results
 from inprocess import COPY
 
-from rlnode.engine.tiny import init_tiny_model
 from rlnode.messages import JobEventType
+from rlnode.models.tiny import init_tiny_model
 from rlnode.sdk.jobs import JobsClient
 
 ENV_CONFIG = {"length": 3, "alphabet": "abc"}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from rlnode.bus import Bus, ensure_topics
-from rlnode.settings import KafkaSettings
+from rlnode.bus.settings import KafkaSettings
 from rlnode.testing import (
     BrokerHandle,
     postgres_admin_url,

@@ -15,9 +15,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-from rlnode.localbroker import free_port
-from rlnode.process import SERVICES_BY_NAME, ServiceProcess, ensure_local_credentials
+from rlnode.bus.localbroker import free_port
+from rlnode.node.processes import ServiceProcess, ensure_local_credentials
 from rlnode.sdk.vault import VaultClient
+from rlnode.service.registry import SERVICES_BY_NAME
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from rlnode.localbroker import LocalBroker
+from rlnode.bus.localbroker import LocalBroker
 
 BrokerKind = Literal["external", "testcontainers", "tansu"]
 KAFKA_IMAGE = "apache/kafka:3.9.1"
@@ -71,7 +71,7 @@ def postgres_admin_url() -> str | None:
     when it names PostgreSQL, else the local server on 127.0.0.1:5432."""
     from sqlalchemy.engine import make_url
 
-    from rlnode.db import normalise_url
+    from rlnode.service.db import normalise_url
 
     url = os.environ.get("DATABASE_URL")
     if url and url.startswith(("postgres://", "postgresql")):
@@ -113,7 +113,7 @@ class ThreadedServer:
 
         import uvicorn
 
-        from rlnode.localbroker import free_port
+        from rlnode.bus.localbroker import free_port
 
         self.port = port or free_port()
         self.server = uvicorn.Server(

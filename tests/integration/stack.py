@@ -7,8 +7,9 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlnode.localbroker import free_port
-from rlnode.process import SERVICES_BY_NAME, ServiceProcess
+from rlnode.bus.localbroker import free_port
+from rlnode.node.processes import ServiceProcess
+from rlnode.service.registry import SERVICES_BY_NAME
 from tests.integration.vault_fixtures import RunningVault
 
 

@@ -9,13 +9,12 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaProducer
 
-from rlnode import topics
 from rlnode.bus import Bus, BusUnavailable, RecordTooLarge
-from rlnode.codec import encode
-from rlnode.localbroker import free_port
-from rlnode.messages import DeadLetter, JobEvent, JobEventType, JobRequest, Trajectory
+from rlnode.bus.localbroker import free_port
+from rlnode.bus.settings import KafkaSettings
+from rlnode.messages import DeadLetter, JobEvent, JobEventType, JobRequest, Trajectory, topics
+from rlnode.messages.codec import encode
 from rlnode.messages.examples import example_payloads
-from rlnode.settings import KafkaSettings
 from rlnode.testing import unique_id
 from tests.conftest import next_matching
 

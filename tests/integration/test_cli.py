@@ -8,8 +8,8 @@ import signal
 import subprocess
 import sys
 
-from rlnode import topics
-from rlnode.localbroker import free_port
+from rlnode.bus.localbroker import free_port
+from rlnode.messages import topics
 
 RLNODE = [sys.executable, "-m", "rlnode.cli"]
 

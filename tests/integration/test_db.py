@@ -8,8 +8,8 @@ import pytest
 from sqlalchemy import Column, exc
 from sqlmodel import Field, SQLModel, select
 
-from rlnode.db import UTCDateTime, create_tables, engine_for, make_engine, session_scope
-from rlnode.settings import DatabaseSettings
+from rlnode.service.db import UTCDateTime, create_tables, engine_for, make_engine, session_scope
+from rlnode.service.settings import DatabaseSettings
 
 
 class Sample(SQLModel, table=True):

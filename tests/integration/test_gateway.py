@@ -17,16 +17,18 @@ from pathlib import Path
 import httpx
 import pytest
 
-from rlnode.localbroker import free_port
-from rlnode.process import SERVICES_BY_NAME, ServiceProcess
+from rlnode.bus.localbroker import free_port
+from rlnode.examples import task_app_path
+from rlnode.node.processes import ServiceProcess
 from rlnode.sdk.gateway import GatewayClient, GatewayError
+from rlnode.service.registry import SERVICES_BY_NAME
 from rlnode.testing import ThreadedServer
 from tests.integration.fakes import misbehaving_taskapps, scripted_policy
 from tests.integration.vault_fixtures import RunningVault
 
 ROOT = Path(__file__).resolve().parents[2]
-COPY_TASK = str(ROOT / "examples" / "taskapps" / "copy_task.py")
-GUESS_NUMBER = str(ROOT / "examples" / "taskapps" / "guess_number.py")
+COPY_TASK = str(task_app_path("copy_task"))
+GUESS_NUMBER = str(task_app_path("guess_number"))
 
 
 @dataclass
@@ -386,7 +388,7 @@ def test_taskapp_cli(node: Node) -> None:
         "register",
         "cli-copy",
         "--command",
-        "python examples/taskapps/copy_task.py",
+        "python -m rlnode.examples.taskapps.copy_task",
         "--cwd",
         str(ROOT),
     )

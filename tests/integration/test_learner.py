@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 
-from rlnode import topics
 from rlnode.bus import Bus
-from rlnode.demo import copy_task_config
-from rlnode.engine.tiny import init_tiny_model
-from rlnode.localbroker import free_port
-from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest
-from rlnode.process import SERVICES_BY_NAME, ServiceProcess
+from rlnode.bus.localbroker import free_port
+from rlnode.examples import example_job, task_app_path
+from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, topics
+from rlnode.models.tiny import init_tiny_model
+from rlnode.node.processes import ServiceProcess
 from rlnode.sdk.gateway import GatewayClient
+from rlnode.service.registry import SERVICES_BY_NAME
 from rlnode.testing import unique_id
 from tests.integration.stack import start_stack
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.asyncio
 
 
@@ -31,9 +30,7 @@ def node(tmp_path_factory, kafka_broker):
     directory = tmp_path_factory.mktemp("learner-stack")
     stack = start_stack(directory)
     with GatewayClient(stack.gateway.url, stack.org_token) as gateway:
-        gateway.register(
-            "copy", command=[sys.executable, str(ROOT / "examples/taskapps/copy_task.py")]
-        )
+        gateway.register("copy", command=[sys.executable, str(task_app_path("copy_task"))])
         assert gateway.verify("copy")["ok"]
     model = init_tiny_model(directory / "tiny", seed=0)
     generator = stack.generator(
@@ -142,9 +139,10 @@ async def user(node, make_bus) -> User:
 
 
 def copy_config(model: Path, steps: int, **training) -> JobConfig:
-    return copy_task_config(
+    return example_job(
+        "copy_task",
         model,
-        steps,
+        steps=steps,
         **{"group_size": 8, "learning_rate": 5e-3, "checkpoint_every": 10, **training},
     )
 
@@ -187,7 +185,7 @@ async def test_a_job_learns_the_copy_task(
     # 8 prompts x 16 samples, lr 3e-3, 2 optimizer steps per step (the copy-task defaults);
     # about 4 minutes through the services on 2 CPU cores.
     steps = int(os.environ.get("RLNODE_E2E_STEPS", "150"))
-    job_id = await user.start(copy_task_config(model, steps, checkpoint_every=10))
+    job_id = await user.start(example_job("copy_task", model, steps=steps, checkpoint_every=10))
     events = await watch(
         make_bus, job_id, {JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.REJECTED}, 900
     )
@@ -310,7 +308,7 @@ async def test_a_learner_killed_mid_job_resumes_with_nothing_lost_or_trained_twi
     import json
 
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    from learner.runner import work_id
+    from rlnode_services.learner.runner import work_id
 
     expected = {
         str(work_id(job_id, s, p, g)) for s in range(steps) for p in range(8) for g in range(8)

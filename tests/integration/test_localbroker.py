@@ -10,7 +10,7 @@ import stat
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from rlnode.localbroker import BrokerBinaryMissing, BrokerStartError, LocalBroker, find_tansu
+from rlnode.bus.localbroker import BrokerBinaryMissing, BrokerStartError, LocalBroker, find_tansu
 
 
 def test_tansu_comes_from_the_pinned_wheel() -> None:

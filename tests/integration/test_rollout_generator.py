@@ -19,10 +19,9 @@ from aiokafka.admin import AIOKafkaAdminClient
 from fastapi import FastAPI, Header, HTTPException, Request
 from safetensors.torch import load_file
 
-from rlnode import topics
 from rlnode.bus import Bus, partition_for
-from rlnode.engine.tiny import init_tiny_model
 from rlnode.engine.torch_engine import TorchEngine
+from rlnode.examples import task_app_path
 from rlnode.messages import (
     JobEvent,
     JobEventType,
@@ -33,12 +32,13 @@ from rlnode.messages import (
     TaskAppSpec,
     Trajectory,
     WeightVersion,
+    topics,
 )
+from rlnode.models.tiny import init_tiny_model
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.testing import ThreadedServer, unique_id
 from tests.integration.stack import Stack, start_stack
 
-ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.asyncio
 
 
@@ -117,12 +117,8 @@ def job_ids_on_every_partition(partitions: list[int], per_partition: int) -> lis
 def stack(tmp_path_factory):
     stack = start_stack(tmp_path_factory.mktemp("generator-stack"))
     with GatewayClient(stack.gateway.url, stack.org_token) as gateway:
-        gateway.register(
-            "copy", command=[sys.executable, str(ROOT / "examples/taskapps/copy_task.py")]
-        )
-        gateway.register(
-            "guess", command=[sys.executable, str(ROOT / "examples/taskapps/guess_number.py")]
-        )
+        gateway.register("copy", command=[sys.executable, str(task_app_path("copy_task"))])
+        gateway.register("guess", command=[sys.executable, str(task_app_path("guess_number"))])
         assert gateway.verify("copy")["ok"] and gateway.verify("guess")["ok"]
     yield stack
     stack.stop()

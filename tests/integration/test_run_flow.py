@@ -17,9 +17,9 @@ import openai
 import pytest
 import torch
 
-from rlnode import topics
-from rlnode.engine.tiny import init_tiny_model
-from rlnode.node import LocalNode, NodeOptions
+from rlnode.messages import topics
+from rlnode.models.tiny import init_tiny_model
+from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
 from rlnode.sdk.jobs import JobsClient
 from rlnode.testing import run_rlnode, unique_id

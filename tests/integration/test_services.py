@@ -10,8 +10,9 @@ import sys
 
 import pytest
 
-from rlnode.localbroker import free_port
-from rlnode.process import SERVICES, ServiceProcess, ensure_local_credentials
+from rlnode.bus.localbroker import free_port
+from rlnode.node.processes import ServiceProcess, ensure_local_credentials
+from rlnode.service.registry import GATEWAY, SERVICES
 
 
 @pytest.mark.parametrize("spec", SERVICES, ids=[s.name for s in SERVICES])
@@ -39,7 +40,7 @@ def test_service_starts_answers_health_and_stops_on_sigterm(spec, tmp_path, kafk
 def test_bad_settings_stop_start_up_with_a_clear_message(spec) -> None:
     env = {**os.environ, f"{spec.env_prefix}PORT": "not-a-port"}
     result = subprocess.run(
-        [sys.executable, "-m", spec.module], env=env, capture_output=True, timeout=60
+        [sys.executable, "-m", spec.package], env=env, capture_output=True, timeout=60
     )
     assert result.returncode == 2
     message = result.stderr.decode()
@@ -54,7 +55,7 @@ def test_a_taken_port_is_a_failure_not_a_hang() -> None:
         # The gateway starts with nothing else running (uvicorn binds after start-up).
         env = {**os.environ, "GATEWAY_PORT": str(port)}
         result = subprocess.run(
-            [sys.executable, "-m", "taskapp_gateway"], env=env, capture_output=True, timeout=60
+            [sys.executable, "-m", GATEWAY.package], env=env, capture_output=True, timeout=60
         )
     assert result.returncode != 0
     assert b"address already in use" in result.stderr.lower()

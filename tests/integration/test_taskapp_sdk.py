@@ -20,12 +20,7 @@ KEY = "sdk-test-key-0123456789"
 
 
 def _example(name: str):
-    spec = importlib.util.spec_from_file_location(
-        name, ROOT / "examples" / "taskapps" / f"{name}.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"rlnode.examples.taskapps.{name}")
 
 
 @pytest.fixture(scope="module")

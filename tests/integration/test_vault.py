@@ -15,9 +15,10 @@ import pytest
 from nacl.public import PrivateKey, PublicKey, SealedBox
 from nacl.signing import SigningKey
 
-from rlnode.auth import AuthError, TokenClaims, VaultTokenVerifier, sign_token
 from rlnode.sdk.vault import VaultError
-from rlnode.sealing import public_key_b64
+from rlnode.service.auth import AuthError, TokenClaims, VaultTokenVerifier, sign_token
+from rlnode.service.registry import VAULT
+from rlnode.service.sealing import public_key_b64
 from tests.conftest import fresh_database
 from tests.integration.vault_fixtures import RecordingTransport, RunningVault
 
@@ -302,7 +303,7 @@ def test_rotation_reseals_every_secret_and_destroys_the_old_private_key(
 
     from sqlalchemy import create_engine, text
 
-    from rlnode.db import normalise_url
+    from rlnode.service.db import normalise_url
 
     engine = create_engine(normalise_url(vault.database_url))
     with engine.connect() as conn:
@@ -359,7 +360,7 @@ def test_openapi_spec_describes_every_route(vault: RunningVault) -> None:
 def _all_rows_as_bytes(database_url: str) -> bytes:
     from sqlalchemy import create_engine, inspect, text
 
-    from rlnode.db import normalise_url
+    from rlnode.service.db import normalise_url
 
     engine = create_engine(normalise_url(database_url))
     chunks = []
@@ -489,7 +490,7 @@ def _start_fails(vault: RunningVault, **env: str | None) -> str:
         else:
             full[key] = value
     result = subprocess.run(
-        [sys.executable, "-m", "credential_vault"],
+        [sys.executable, "-m", VAULT.package],
         env=full,
         capture_output=True,
         text=True,
@@ -501,7 +502,7 @@ def _start_fails(vault: RunningVault, **env: str | None) -> str:
 
 
 def test_wrong_missing_or_exposed_master_key_stops_start_up(tmp_path) -> None:
-    from credential_vault.crypto import new_master_key
+    from rlnode_services.credential_vault.crypto import new_master_key
 
     with fresh_database("sqlite", tmp_path) as url:
         vault = RunningVault(url, tmp_path).start()

@@ -9,7 +9,7 @@ import sys
 import pytest
 from nacl.public import PrivateKey
 
-from rlnode.localbroker import free_port
+from rlnode.bus.localbroker import free_port
 from tests.conftest import fresh_database
 from tests.integration.vault_fixtures import RunningVault
 

@@ -8,11 +8,12 @@ from pathlib import Path
 
 import httpx
 
-from credential_vault.crypto import new_master_key
-from rlnode.localbroker import free_port
-from rlnode.process import SERVICES_BY_NAME, ServiceProcess
+from rlnode.bus.localbroker import free_port
+from rlnode.node.processes import ServiceProcess
 from rlnode.sdk.vault import VaultClient
+from rlnode.service.registry import SERVICES_BY_NAME
 from rlnode.testing import unique_id
+from rlnode_services.credential_vault.crypto import new_master_key
 
 
 class RecordingTransport(httpx.HTTPTransport):

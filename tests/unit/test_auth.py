@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from nacl.signing import SigningKey
 
-from rlnode.auth import (
+from rlnode.service.auth import (
     ORG_SCOPES,
     AuthError,
     TokenClaims,

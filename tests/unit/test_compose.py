@@ -11,9 +11,10 @@ import jsonschema
 import pytest
 import yaml
 
-from rlnode.plan import compose_gpu_services, make_plan
-from rlnode.process import SERVICES
-from rlnode.settings import DatabaseSettings, KafkaSettings, NodeSettings
+from rlnode.bus.settings import KafkaSettings
+from rlnode.node.plan import compose_gpu_services, make_plan
+from rlnode.service.registry import SERVICES
+from rlnode.service.settings import DatabaseSettings, NodeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
@@ -65,8 +66,8 @@ def _instances(spec) -> list[str]:
 def test_every_service_runs_its_entry_point_with_known_settings(spec, name) -> None:
     service = COMPOSE["services"][name]
     (command,) = service["command"]
-    assert SCRIPTS[command] == f"{spec.module}.__main__:main"
-    fields = set(_settings_class(spec.module).model_fields)
+    assert SCRIPTS[command] == f"{spec.package}.__main__:main"
+    fields = set(_settings_class(spec.package).model_fields)
     for name in service["environment"]:
         if name.startswith(spec.env_prefix):
             assert name.removeprefix(spec.env_prefix).lower() in fields, (

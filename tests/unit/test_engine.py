@@ -9,8 +9,8 @@ import torch
 from safetensors.torch import save_file
 
 from rlnode.engine import EngineError, GenerationRequest, create_engine, render_chat
-from rlnode.engine.tiny import init_tiny_model
 from rlnode.engine.torch_engine import TorchEngine
+from rlnode.models.tiny import init_tiny_model
 
 
 @pytest.fixture(scope="module")

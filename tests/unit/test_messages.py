@@ -8,7 +8,6 @@ import orjson
 import pytest
 from pydantic import ValidationError
 
-from rlnode.codec import DecodeError, decode, decode_any, describe_validation_error, encode
 from rlnode.messages import (
     EVENT_DATA,
     PAYLOAD_TYPES,
@@ -21,6 +20,7 @@ from rlnode.messages import (
     Trajectory,
     WeightVersion,
 )
+from rlnode.messages.codec import DecodeError, decode, decode_any, describe_validation_error, encode
 from rlnode.messages.examples import example_config, example_payloads
 
 

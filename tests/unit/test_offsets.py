@@ -1,6 +1,6 @@
 from aiokafka import TopicPartition
 
-from rollout_generator.work import OffsetTracker
+from rlnode_services.rollout_generator.work import OffsetTracker
 
 P0, P1 = TopicPartition("t", 0), TopicPartition("t", 1)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from rlnode.messages.config import TopologySpec
-from rlnode.plan import PlanError, make_plan, plan_table
+from rlnode.node.plan import PlanError, make_plan, plan_table
 
 
 def topo(**kw) -> TopologySpec:

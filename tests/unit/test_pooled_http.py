@@ -1,4 +1,4 @@
-"""rlnode.pooled_http against real sockets on loopback: what each failure is called decides
+"""rlnode.service.pooled_http against real sockets on loopback: what each failure is called decides
 whether the gateway retries a rollout, so each one is produced for real here."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import contextlib
 import orjson
 import pytest
 
-from rlnode.localbroker import free_port
-from rlnode.pooled_http import ConnectFailed, ConnectionBroke, PooledHttp, TimedOut
+from rlnode.bus.localbroker import free_port
+from rlnode.service.pooled_http import ConnectFailed, ConnectionBroke, PooledHttp, TimedOut
 
 
 @contextlib.asynccontextmanager

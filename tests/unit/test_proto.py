@@ -9,9 +9,8 @@ import jsonschema
 import orjson
 import pytest
 
-from rlnode import proto, topics
-from rlnode.codec import encode
-from rlnode.messages import EVENT_DATA
+from rlnode.messages import EVENT_DATA, proto, topics
+from rlnode.messages.codec import encode
 from rlnode.messages.examples import example_payloads
 
 PROTO_DIR = Path(__file__).resolve().parents[2] / "proto"

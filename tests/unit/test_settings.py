@@ -5,8 +5,9 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from rlnode.db import normalise_url, redacted_url
-from rlnode.settings import DatabaseSettings, KafkaSettings, NodeSettings
+from rlnode.bus.settings import KafkaSettings
+from rlnode.service.db import normalise_url, redacted_url
+from rlnode.service.settings import DatabaseSettings, NodeSettings
 
 
 def test_kafka_settings_come_from_the_environment(monkeypatch) -> None:

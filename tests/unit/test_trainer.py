@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from rlnode.engine.tiny import init_tiny_model
 from rlnode.engine.torch_engine import TorchEngine
+from rlnode.models.tiny import init_tiny_model
 from rlnode.training.distributed import DataParallelError, DataParallelTrainer
 from rlnode.training.grpo import Sample
 from rlnode.training.trainer import Trainer, TrainerConfig, micro_batches, minibatch_parts

@@ -6,8 +6,13 @@ import base64
 
 import pytest
 
-from credential_vault.crypto import KeyWrapper, MasterKeyError, load_master_key, new_master_key
-from rlnode.sealing import SealingError, generate_keypair, open_sealed, seal
+from rlnode.service.sealing import SealingError, generate_keypair, open_sealed, seal
+from rlnode_services.credential_vault.crypto import (
+    KeyWrapper,
+    MasterKeyError,
+    load_master_key,
+    new_master_key,
+)
 
 
 def test_new_master_keys_load_and_differ(tmp_path) -> None:

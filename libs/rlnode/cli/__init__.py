@@ -23,16 +23,16 @@ import sys
 
 from rlnode import __version__
 from rlnode.bus import BusError
+from rlnode.bus.localbroker import BrokerBinaryMissing, BrokerStartError
 from rlnode.cli import job, node, taskapp, vault
-from rlnode.localbroker import BrokerBinaryMissing, BrokerStartError
-from rlnode.node import PortInUse
-from rlnode.plan import PlanError
-from rlnode.process import ServiceFailed
+from rlnode.node.local import PortInUse
+from rlnode.node.plan import PlanError
+from rlnode.node.processes import ServiceFailed
+from rlnode.node.supervisor import SupervisorError
 from rlnode.sdk.checkpoints import CheckpointError
 from rlnode.sdk.gateway import GatewayError
 from rlnode.sdk.jobs import JobError
 from rlnode.sdk.vault import VaultError
-from rlnode.supervisor import SupervisorError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,11 +16,11 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
-from rlnode.auth import AuthError, read_unverified
+from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import JobEvent, JobEventType
 from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.sdk.jobs import JobsClient, ends_the_job, load_config, new_job_id
-from rlnode.settings import KafkaSettings
+from rlnode.service.auth import AuthError, read_unverified
 
 QUIET = {JobEventType.WEIGHTS_PUBLISHED, JobEventType.WEIGHTS_LOADED, JobEventType.ROLLOUT_BATCH}
 

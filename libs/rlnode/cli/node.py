@@ -17,10 +17,12 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from rlnode import __version__, topics
+from rlnode import __version__
 from rlnode.bus import ensure_topics
-from rlnode.localbroker import LocalBroker
-from rlnode.settings import KafkaSettings, NodeSettings
+from rlnode.bus.localbroker import LocalBroker
+from rlnode.bus.settings import KafkaSettings
+from rlnode.messages import topics
+from rlnode.service.settings import NodeSettings
 
 
 @contextlib.contextmanager
@@ -76,7 +78,7 @@ def _topics_create(args: argparse.Namespace) -> int:
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from rlnode import doctor
+    from rlnode.node import doctor
 
     node = NodeSettings()
     print(f"rlnode {__version__} doctor — data directory {node.data_dir}")
@@ -96,7 +98,7 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from rlnode.demo import run_demo
+    from rlnode.node.demo import run_demo
 
     return run_demo(steps=args.steps, data_dir=args.data_dir)
 
@@ -114,7 +116,7 @@ def _plan(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
     from rlnode.messages.config import TopologySpec
-    from rlnode.plan import PlanError, make_plan, plan_table
+    from rlnode.node.plan import PlanError, make_plan, plan_table
 
     gpus = _visible_gpus() if args.gpus is None else args.gpus
     try:
@@ -134,7 +136,7 @@ def _plan(args: argparse.Namespace) -> int:
     if args.emit == "compose":
         import yaml
 
-        from rlnode.plan import compose_gpu_services
+        from rlnode.node.plan import compose_gpu_services
 
         if plan.cpu_only:
             print(
@@ -164,7 +166,7 @@ def _count(value: str) -> int | str:
 
 def _up(args: argparse.Namespace) -> int:
     from rlnode.messages.config import TopologySpec
-    from rlnode.supervisor import run_up
+    from rlnode.node.supervisor import run_up
 
     gpus = _visible_gpus() if args.gpus is None else args.gpus
     topology = TopologySpec(
@@ -177,7 +179,7 @@ def _up(args: argparse.Namespace) -> int:
 
 
 def _status(_args: argparse.Namespace) -> int:
-    from rlnode.supervisor import status
+    from rlnode.node.supervisor import status
 
     rows = status()
     print(f"{'SERVICE':<30} {'HEALTHY':<8} {'PID':>8} {'RESTARTS':>8}  URL")
@@ -190,7 +192,7 @@ def _status(_args: argparse.Namespace) -> int:
 
 
 def _down(_args: argparse.Namespace) -> int:
-    from rlnode.supervisor import down
+    from rlnode.node.supervisor import down
 
     pid = down()
     print(f"node stopped (supervisor pid {pid})")
@@ -249,7 +251,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _model_init(args: argparse.Namespace) -> int:
-    from rlnode.engine.tiny import init_tiny_model
+    from rlnode.models.tiny import init_tiny_model
 
     out = init_tiny_model(
         args.out, seed=args.seed, hidden=args.hidden, layers=args.layers, heads=args.heads

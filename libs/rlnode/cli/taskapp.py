@@ -95,7 +95,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     kind = reg.add_mutually_exclusive_group(required=True)
     kind.add_argument("--url", help="base URL of a Task App that runs elsewhere")
     kind.add_argument(
-        "--command", help='command the gateway runs, e.g. "python examples/taskapps/copy_task.py"'
+        "--command",
+        help='command the gateway runs, e.g. "python -m rlnode.examples.taskapps.copy_task"',
     )
     reg.add_argument(
         "--cwd", default=None, help="managed: working directory (default: the gateway's)"

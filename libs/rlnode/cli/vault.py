@@ -14,8 +14,8 @@ import sys
 from nacl.secret import SecretBox
 from nacl.utils import random as random_bytes
 
-from rlnode.auth import ORG_SCOPES, SERVICE_SCOPES
 from rlnode.sdk.vault import VaultClient, VaultError
+from rlnode.service.auth import ORG_SCOPES, SERVICE_SCOPES
 
 
 def _client(args: argparse.Namespace, *, admin: bool = False) -> VaultClient:

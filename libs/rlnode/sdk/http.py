@@ -8,7 +8,7 @@ from typing import Any, ClassVar
 
 import httpx
 
-from rlnode.auth import AuthError, read_unverified
+from rlnode.service.auth import AuthError, read_unverified
 
 
 class ApiError(RuntimeError):

@@ -19,11 +19,10 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from rlnode import topics
 from rlnode.bus import Bus, BusUnavailable, partition_for
-from rlnode.codec import DecodeError, decode
-from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest
-from rlnode.settings import KafkaSettings
+from rlnode.bus.settings import KafkaSettings
+from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, topics
+from rlnode.messages.codec import DecodeError, decode
 
 TERMINAL = {JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.CANCELLED}
 

@@ -9,7 +9,7 @@ from typing import Any
 from nacl.public import PrivateKey
 
 from rlnode.sdk.http import ApiClient, ApiError
-from rlnode.sealing import (
+from rlnode.service.sealing import (
     SEALED_BOX_ALG,
     b64decode_strict,
     open_sealed,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from rlnode.pooled_http import HttpCallError, PooledHttp
+from rlnode.service.pooled_http import HttpCallError, PooledHttp
 
 
 class InferenceError(RuntimeError):

@@ -24,7 +24,7 @@ from typing import Annotated, Any
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
 
-from rlnode.pooled_http import PooledHttp
+from rlnode.service.pooled_http import PooledHttp
 from rlnode.taskapp.contract import (
     RolloutMetrics,
     RolloutRequest,

@@ -1,0 +1,54 @@
+"""How to reach the broker and how the bus uses it, from KAFKA_* environment variables."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+# Trajectories of long multi-turn episodes (token ids + logprobs) are large: records up to
+# this size fit (after compression) on the producer, the topics and the consumers.
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+class KafkaSettings(BaseSettings):
+    """How to reach the broker. With no KAFKA_BOOTSTRAP_SERVERS the local tools start
+    an embedded broker (see rlnode.bus.localbroker) and set it for the services they start."""
+
+    model_config = SettingsConfigDict(env_prefix="KAFKA_", extra="ignore")
+
+    bootstrap_servers: str = "127.0.0.1:9092"
+    client_id_prefix: str = "rlnode"
+    partitions: int = Field(3, ge=1, le=1024, description="Partitions per topic on creation.")
+    replication_factor: int = Field(1, ge=1)
+    compression: Literal["zstd", "gzip", "none"] = "zstd"
+    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024 * 1024)
+    linger_ms: int = Field(5, ge=0, le=1000)
+    request_timeout_ms: int = Field(40_000, ge=1000)
+    # A consumer group's first join waits for stragglers (Tansu: half the session timeout,
+    # Kafka: group.initial.rebalance.delay.ms); tests shorten it, production keeps it.
+    session_timeout_ms: int = Field(10_000, ge=1000)
+    # How long a fetch may wait for data. Kafka answers as soon as a record arrives; Tansu
+    # holds the fetch (measured: ~125 ms per hop at aiokafka's 500 ms, ~25 at 100, ~10 at
+    # 20), and a job step crosses the broker three times. Lower costs idle polling: a whole
+    # idle node used 5% of a core at 500 ms, 22% at 50, 45% at 20, and a max_async=1 job on
+    # 2 cores was no faster at 50 (bench/overhead.py): aiokafka's 500 stays the default.
+    fetch_max_wait_ms: int = Field(500, ge=1, le=10_000)
+    heartbeat_interval_ms: int = Field(3_000, ge=100)
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _not_blank(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError("KAFKA_BOOTSTRAP_SERVERS is empty; give host:port[,host:port]")
+        return value.strip()
+
+    @model_validator(mode="after")
+    def _heartbeat_below_session(self) -> KafkaSettings:
+        if self.heartbeat_interval_ms * 3 > self.session_timeout_ms:
+            raise ValueError(
+                f"KAFKA_HEARTBEAT_INTERVAL_MS ({self.heartbeat_interval_ms}) must be at most a "
+                f"third of KAFKA_SESSION_TIMEOUT_MS ({self.session_timeout_ms})"
+            )
+        return self

@@ -1,0 +1,1 @@
+"""Example Task Apps on the SDK; each module runs as `python -m rlnode.examples.taskapps.NAME`."""

@@ -1,0 +1,323 @@
+"""A whole node on one machine: the broker (embedded Tansu unless one is given), the topics,
+and every service as a child process wired to the others with its own service token.
+
+Used by the benchmarks and the end-to-end tools; `rlnode up` builds its supervision on it.
+What a *user* does on top (an org, a sealed key, a Task App, a job) goes through the public
+clients, as it would against any node."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rlnode.bus import ensure_topics
+from rlnode.bus.localbroker import LocalBroker, free_port
+from rlnode.bus.settings import KafkaSettings
+from rlnode.examples import task_app_path
+from rlnode.node.plan import GpuPlan
+from rlnode.node.processes import ServiceProcess, ensure_local_credentials
+from rlnode.sdk.gateway import GatewayClient
+from rlnode.sdk.vault import VaultClient
+from rlnode.service.registry import SERVICES_BY_NAME
+
+log = logging.getLogger("rlnode.node.local")
+
+
+@dataclass
+class NodeOptions:
+    data_dir: Path
+    kafka_bootstrap: str | None = None  # None: start the embedded broker
+    generators: int = 1
+    # Extra environment per service name ("learner", "rollout-generator", ...).
+    env: dict[str, dict[str, str]] = field(default_factory=dict)
+    # Tansu delays a group's first join by half the session timeout; 6 s (Kafka's minimum)
+    # keeps start-up quick on a local node.
+    session_timeout_ms: int = 6000
+    services: tuple[str, ...] = (
+        "credential-vault",
+        "taskapp-gateway",
+        "rollout-generator",
+        "learner",
+        "checkpoint-server",
+    )
+    # Fixed ports from here (vault +0, gateway +10, generators +20.., learner +30,
+    # checkpoint-server +40), so the CLI's defaults reach a node `rlnode up` started;
+    # None: free ports (tests, benchmarks).
+    port_base: int | None = None
+    # The GPU plan; None: everything on the CPU.
+    plan: GpuPlan | None = None
+
+
+PORT_OFFSETS = {
+    "credential-vault": 0,
+    "taskapp-gateway": 10,
+    "rollout-generator": 20,
+    "learner": 30,
+    "checkpoint-server": 40,
+}
+
+
+class PortInUse(RuntimeError):
+    pass
+
+
+def plan_env(plan: GpuPlan | None) -> tuple[list[dict[str, str]], dict[str, str], dict[str, str]]:
+    """Environment from the GPU plan: one dict per rollout-generator (engine), the learner's,
+    the checkpoint-server's. CUDA_VISIBLE_DEVICES confines each process to its GPUs."""
+    if plan is None or plan.cpu_only:
+        return [{}], {}, {}
+    generators = [
+        {
+            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
+            "GENERATOR_ENGINE": "vllm",
+            "GENERATOR_DEVICE": "cuda",
+            "GENERATOR_TENSOR_PARALLEL": str(len(gpus)),
+            "GENERATOR_REFERENCE_ON_INFERENCE": str(plan.reference == "inference").lower(),
+        }
+        for gpus in plan.engines
+    ]
+    learner = {
+        "CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.training)),
+        "LEARNER_DEVICES": plan.learner_devices(),
+        "LEARNER_VISIBLE_GPUS": str(plan.visible),
+    }
+    # Serving shares the last training GPU: inference on checkpoints mostly follows training.
+    serving = {
+        "CUDA_VISIBLE_DEVICES": str(plan.training[-1]),
+        "CHECKPOINT_SERVER_DEVICE": "cuda",
+    }
+    return generators, learner, serving
+
+
+@dataclass
+class Org:
+    org_id: str
+    token: str
+
+
+class LocalNode:
+    def __init__(self, options: NodeOptions) -> None:
+        self.options = options
+        self.data_dir = options.data_dir
+        self.broker: LocalBroker | None = None
+        self.bootstrap = options.kafka_bootstrap or ""
+        self.processes: dict[str, ServiceProcess] = {}
+        self.admin_token = ""
+        self.restarts: dict[str, int] = {}
+        self._due: dict[str, float] = {}  # key -> when a dead service is started again
+        self._up_since: dict[str, float] = {}
+        self._streak: dict[str, int] = {}  # restarts without a minute up in between
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> LocalNode:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _start(self) -> None:
+        if not self.bootstrap:
+            self.broker = LocalBroker().start()
+            self.bootstrap = self.broker.bootstrap_servers
+        asyncio.run(ensure_topics(self.kafka_settings()))
+        credentials = ensure_local_credentials(self.data_dir)
+        self.admin_token = credentials.admin_token
+        wanted = self.options.services
+        vault = self._service("credential-vault", credentials.vault_env())
+        if "taskapp-gateway" in wanted:
+            self._service(
+                "taskapp-gateway",
+                {
+                    "GATEWAY_VAULT_URL": vault.url,
+                    "GATEWAY_SERVICE_TOKEN": self.service_token(
+                        ["secrets:unseal"], "taskapp-gateway"
+                    ),
+                },
+            )
+        gateway_url = self.url("taskapp-gateway") if "taskapp-gateway" in wanted else ""
+        generator_env, learner_env, serving_env = plan_env(self.options.plan)
+        if self.options.plan is None or self.options.plan.cpu_only:
+            generator_env = generator_env * self.options.generators
+        if "rollout-generator" in wanted:
+            token = self.service_token(["rollouts:run"], "rollout-generator")
+            for index, env in enumerate(generator_env):
+                name = f"gen{index}"
+                self._service(
+                    "rollout-generator",
+                    {
+                        "GENERATOR_GATEWAY_URL": gateway_url,
+                        "GENERATOR_SERVICE_TOKEN": token,
+                        "GENERATOR_GENERATOR_ID": name,
+                        **env,
+                    },
+                    instance=name,
+                    index=index,
+                )
+        if "learner" in wanted:
+            self._service(
+                "learner",
+                {
+                    "LEARNER_VAULT_URL": vault.url,
+                    "LEARNER_GATEWAY_URL": gateway_url,
+                    "LEARNER_SERVICE_TOKEN": self.service_token(
+                        ["taskapps:read", "secrets:read"], "learner"
+                    ),
+                    **learner_env,
+                },
+            )
+        if "checkpoint-server" in wanted:
+            self._service(
+                "checkpoint-server", {"CHECKPOINT_SERVER_VAULT_URL": vault.url, **serving_env}
+            )
+        for process in self.processes.values():
+            process.wait_healthy(timeout_s=60)
+
+    def _port(self, name: str, index: int) -> int:
+        if self.options.port_base is None:
+            return free_port()
+        port = self.options.port_base + PORT_OFFSETS[name] + index
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                raise PortInUse(
+                    f"port {port} ({name}) is in use: is a node up already (rlnode status)? "
+                    "Stop it with rlnode down, or pick other ports with --port-base"
+                ) from None
+        return port
+
+    def _service(self, name: str, env: dict[str, str], instance: str | None = None, index: int = 0):
+        spec = SERVICES_BY_NAME[name]
+        key = f"{name}/{instance}" if instance else name
+        process = ServiceProcess(
+            spec,
+            self._port(name, index),
+            self.data_dir / "logs" / f"{key.replace('/', '-')}.log",
+            env={
+                "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap,
+                "KAFKA_SESSION_TIMEOUT_MS": str(self.options.session_timeout_ms),
+                "KAFKA_HEARTBEAT_INTERVAL_MS": str(self.options.session_timeout_ms // 3),
+                "RLNODE_DATA_DIR": str(self.data_dir),
+                **env,
+                **self.options.env.get(name, {}),
+            },
+        ).start()
+        self.processes[key] = process
+        if name == "credential-vault":
+            process.wait_healthy(timeout_s=60)  # the others need tokens from it
+        return process
+
+    # -- supervision ----------------------------------------------------------------------
+
+    def supervise(self, now: float | None = None) -> list[str]:
+        """One round of supervision: a service that died is started again after a backoff
+        (0.5 s doubling to 30 s; the streak resets after a minute up). Returns what
+        happened, as log lines."""
+        now = time.monotonic() if now is None else now
+        said = []
+        for key, process in self.processes.items():
+            code = process.proc.poll() if process.proc else None
+            if code is None:
+                if now - self._up_since.setdefault(key, now) > 60:
+                    self._streak[key] = 0
+                continue
+            if key not in self._due:
+                delay = min(30.0, 0.5 * 2 ** self._streak.get(key, 0))
+                self._due[key] = now + delay
+                self._up_since.pop(key, None)
+                said.append(
+                    f"{key} exited with code {code}; starting it again in {delay:.1f}s "
+                    f"(log {process.log_path})"
+                )
+            elif now >= self._due[key]:
+                del self._due[key]
+                self._streak[key] = self._streak.get(key, 0) + 1
+                self.restarts[key] = self.restarts.get(key, 0) + 1
+                process.start()
+                said.append(
+                    f"{key} started again (pid {process.proc.pid}, restart {self.restarts[key]})"
+                )
+        return said
+
+    def state(self) -> dict:
+        """What `rlnode status` shows: each service's URL, pid, restarts and log."""
+        return {
+            "pid": os.getpid(),
+            "data_dir": str(self.data_dir),
+            "bootstrap": self.bootstrap,
+            "broker_pid": self.broker.pid if self.broker else None,
+            "services": {
+                key: {
+                    "url": p.url,
+                    "pid": p.proc.pid if p.proc else None,
+                    "running": bool(p.proc and p.proc.poll() is None),
+                    "restarts": self.restarts.get(key, 0),
+                    "log": str(p.log_path),
+                }
+                for key, p in self.processes.items()
+            },
+        }
+
+    def stop(self) -> dict[str, int]:
+        """Stop the services (consumers of others first), then the broker; exit codes."""
+        codes = {}
+        for key in reversed(list(self.processes)):
+            codes[key] = self.processes[key].stop()
+        self.processes.clear()
+        if self.broker is not None:
+            self.broker.stop()
+            self.broker = None
+        return codes
+
+    def __enter__(self) -> LocalNode:
+        return self.start()
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()
+
+    # -- wiring ---------------------------------------------------------------------------
+
+    def kafka_settings(self) -> KafkaSettings:
+        return KafkaSettings(
+            bootstrap_servers=self.bootstrap,
+            session_timeout_ms=self.options.session_timeout_ms,
+            heartbeat_interval_ms=self.options.session_timeout_ms // 3,
+        )
+
+    def url(self, key: str) -> str:
+        return self.processes[key].url
+
+    def admin(self) -> VaultClient:
+        return VaultClient(self.url("credential-vault"), self.admin_token)
+
+    def service_token(self, scopes: list[str], service: str) -> str:
+        with self.admin() as admin:
+            return admin.create_service_token(service, scopes, None)["token"]
+
+    # -- what a user does ---------------------------------------------------------------
+
+    def create_org(self, org_id: str, secrets: dict[str, str] | None = None) -> Org:
+        """An org with its admin token, and secrets sealed (on this side) and uploaded."""
+        with self.admin() as admin:
+            token = admin.create_org(org_id)["token"]["token"]
+        with VaultClient(self.url("credential-vault"), token) as org:
+            for name, value in (secrets or {}).items():
+                org.set_secret(name, value)
+        return Org(org_id, token)
+
+    def register_example_task_app(self, org: Org, name: str, example: str) -> dict:
+        """Register one of rlnode's example Task Apps as a managed Task App and verify it."""
+        path = task_app_path(example)
+        with GatewayClient(self.url("taskapp-gateway"), org.token) as gateway:
+            gateway.register(name, command=[sys.executable, str(path)])
+            return gateway.verify(name)

@@ -1,0 +1,139 @@
+"""Service processes: start one of rlnode's services as a child process, wait for its health
+check, stop it with SIGTERM. Used by the node, the supervisor and `rlnode doctor`."""
+
+from __future__ import annotations
+
+import base64
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from rlnode.service.registry import ServiceSpec
+
+
+@dataclass(frozen=True)
+class LocalCredentials:
+    """The embedded node's own vault master key and admin token, made on first use and kept
+    (mode 600) under the data directory. Production sets VAULT_MASTER_KEY(_FILE) and
+    VAULT_ADMIN_TOKEN itself."""
+
+    master_key_file: Path
+    admin_token_file: Path
+
+    @property
+    def admin_token(self) -> str:
+        return self.admin_token_file.read_text().strip()
+
+    def vault_env(self) -> dict[str, str]:
+        return {
+            "VAULT_MASTER_KEY_FILE": str(self.master_key_file),
+            "VAULT_ADMIN_TOKEN": self.admin_token,
+        }
+
+
+def ensure_local_credentials(data_dir: Path) -> LocalCredentials:
+    directory = data_dir / "secrets"
+    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    master, admin = directory / "vault-master.key", directory / "vault-admin.token"
+    _write_once(master, base64.b64encode(secrets.token_bytes(32)).decode())
+    _write_once(admin, secrets.token_urlsafe(32))
+    return LocalCredentials(master, admin)
+
+
+def _write_once(path: Path, value: str) -> None:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+
+
+class ServiceFailed(RuntimeError):
+    pass
+
+
+class ServiceProcess:
+    def __init__(
+        self,
+        spec: ServiceSpec,
+        port: int,
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
+        self.spec = spec
+        self.host = host
+        self.port = port
+        self.log_path = log_path
+        self.env = {
+            **os.environ,
+            **(env or {}),
+            f"{spec.env_prefix}HOST": host,
+            f"{spec.env_prefix}PORT": str(port),
+        }
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", self.spec.package],
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        return self
+
+    def log_tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def wait_healthy(self, timeout_s: float = 30.0) -> dict[str, Any]:
+        assert self.proc is not None, "start() first"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServiceFailed(
+                    f"{self.spec.name} exited with code {self.proc.returncode} before it was "
+                    f"healthy; its log ({self.log_path}):\n{self.log_tail()}"
+                )
+            try:
+                response = httpx.get(f"{self.url}/health", timeout=1.0)
+                if response.status_code == 200:
+                    return response.json()
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise ServiceFailed(
+            f"{self.spec.name} was not healthy at {self.url} within {timeout_s:.0f}s; "
+            f"its log ({self.log_path}):\n{self.log_tail()}"
+        )
+
+    def stop(self, timeout_s: float = 20.0) -> int:
+        """SIGTERM, then SIGKILL if it has not stopped within `timeout_s`; the exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout_s)
+        return self.proc.returncode

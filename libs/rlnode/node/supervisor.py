@@ -1,0 +1,156 @@
+"""`rlnode up | status | down`: a node that stays up. The supervisor starts the broker (unless
+KAFKA_BOOTSTRAP_SERVERS names one), the topics and every service with the GPUs the plan gives
+it, waits for their health checks, starts again any service that dies (with backoff, said in
+its own log, never as a job event), and on SIGTERM / Ctrl-C stops everything in order.
+Its state (pids, URLs, restarts) is in $RLNODE_DATA_DIR/node.json for `status` and `down`."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+import httpx
+
+from rlnode.bus.settings import KafkaSettings
+from rlnode.messages.config import TopologySpec
+from rlnode.node.local import LocalNode, NodeOptions
+from rlnode.node.plan import make_plan, plan_table
+from rlnode.service.settings import NodeSettings
+
+log = logging.getLogger("rlnode.node.supervisor")
+
+
+class SupervisorError(RuntimeError):
+    pass
+
+
+def state_path(data_dir: Path) -> Path:
+    return data_dir / "node.json"
+
+
+def _say(out: TextIO, text: str) -> None:
+    stamp = time.strftime("%H:%M:%S")
+    out.write(f"{stamp} {text}\n")
+    out.flush()
+
+
+def run_up(
+    gpus: int,
+    port_base: int = 8710,
+    data_dir: Path | None = None,
+    out: TextIO = sys.stdout,
+    topology: TopologySpec | None = None,
+) -> int:
+    data_dir = data_dir or NodeSettings().data_dir
+    state = state_path(data_dir)
+    if state.exists() and _alive(json.loads(state.read_text()).get("pid")):
+        raise SupervisorError(
+            f"a node is up already (pid {json.loads(state.read_text())['pid']}, {state}); "
+            "rlnode status shows it, rlnode down stops it"
+        )
+    plan = make_plan(gpus, topology)
+    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or None
+    _say(out, f"plan for {gpus} GPU(s):\n{plan_table(plan)}")
+    node = LocalNode(
+        NodeOptions(
+            data_dir=data_dir,
+            kafka_bootstrap=bootstrap,
+            port_base=port_base,
+            plan=plan,
+            session_timeout_ms=KafkaSettings().session_timeout_ms,
+        )
+    )
+    stopping = False
+
+    def stop(_signum, _frame) -> None:
+        nonlocal stopping
+        stopping = True
+
+    previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        node.start()
+        state.write_text(json.dumps(node.state(), indent=2))
+        _say(out, f"node up: broker {node.bootstrap}, data and logs under {data_dir}")
+        for key, service in node.state()["services"].items():
+            _say(out, f"  {key:<28} {service['url']}  (pid {service['pid']})")
+        _say(
+            out,
+            f"admin token: {data_dir / 'secrets' / 'vault-admin.token'} (rlnode org create "
+            "with RLNODE_ADMIN_TOKEN); stop with rlnode down or Ctrl-C",
+        )
+        while not stopping:
+            for line in node.supervise():
+                _say(out, line)
+            state.write_text(json.dumps(node.state(), indent=2))
+            time.sleep(0.5)
+    finally:
+        _say(out, "stopping: services (consumers first), then the broker")
+        codes = node.stop()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        state.unlink(missing_ok=True)
+        bad = {k: c for k, c in codes.items() if c not in (0, -signal.SIGTERM)}
+        _say(out, "stopped" + (f"; non-zero exits: {bad}" if bad else " cleanly"))
+    return 0
+
+
+def _alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # an exited child its parent has not reaped yet is gone for our purposes
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return stat.rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def read_state(data_dir: Path | None = None) -> dict:
+    data_dir = data_dir or NodeSettings().data_dir
+    path = state_path(data_dir)
+    if not path.exists():
+        raise SupervisorError(f"no node is up under {data_dir} (start one with rlnode up)")
+    state = json.loads(path.read_text())
+    if not _alive(state.get("pid")):
+        raise SupervisorError(
+            f"the node under {data_dir} is gone (its supervisor, pid {state.get('pid')}, "
+            "exited without cleaning up); start it again with rlnode up"
+        )
+    return state
+
+
+def status(data_dir: Path | None = None) -> list[dict]:
+    """Each service with its health as its /health says now."""
+    state = read_state(data_dir)
+    rows = []
+    for key, service in state["services"].items():
+        try:
+            health = httpx.get(f"{service['url']}/health", timeout=2.0)
+            healthy = health.status_code == 200
+        except httpx.TransportError:
+            healthy = False
+        rows.append({"service": key, **service, "healthy": healthy})
+    return rows
+
+
+def down(data_dir: Path | None = None, timeout_s: float = 120.0) -> int:
+    state = read_state(data_dir)
+    pid = state["pid"]
+    os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while _alive(pid):
+        if time.monotonic() > deadline:
+            raise SupervisorError(f"the supervisor (pid {pid}) did not stop in {timeout_s:g}s")
+        time.sleep(0.2)
+    return pid

@@ -1,0 +1,100 @@
+"""What every service process shares: a FastAPI app with a health endpoint, logging, and a
+uvicorn server that stops cleanly on SIGTERM/SIGINT (in-flight requests finish, lifespan
+shutdown runs, exit code 0)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import uvicorn
+from fastapi import FastAPI
+from pydantic import ValidationError
+
+from rlnode import __version__
+from rlnode.service.settings import ServiceSettings
+
+S = TypeVar("S", bound=ServiceSettings)
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class StartupError(RuntimeError):
+    """A service cannot start (bad key, unreachable dependency): the message says why and
+    what to do; the process exits 2 without a traceback."""
+
+
+def configure_logging(service: str, level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def create_service_app(service: str, settings: ServiceSettings, **fastapi_args: Any) -> FastAPI:
+    """The app a service builds its routes on. `GET /health` answers while the process
+    serves; services add their own checks to `app.state.health_checks` (name -> callable
+    returning True when healthy)."""
+    app = FastAPI(title=f"rlnode {service}", version=__version__, **fastapi_args)
+    app.state.settings = settings
+    app.state.service = service
+    app.state.started_at = time.monotonic()
+    app.state.health_checks: dict[str, Callable[[], bool]] = {}
+
+    @app.get("/health", tags=["ops"], summary="Liveness and readiness of this service")
+    async def health() -> dict[str, Any]:
+        checks = {name: bool(check()) for name, check in app.state.health_checks.items()}
+        return {
+            "status": "ok" if all(checks.values()) else "degraded",
+            "service": service,
+            "version": __version__,
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - app.state.started_at, 3),
+            "checks": checks,
+        }
+
+    return app
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after a graceful stop, so a clean stop looks like a kill
+    (exit -15) to a supervisor. Here a stop that went well exits 0."""
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        super().handle_exit(sig, frame)
+        self._captured_signals.clear()
+
+
+def serve(service: str, settings_type: type[S], app_factory: Callable[[S], FastAPI]) -> int:
+    """Entry point body of a service: read settings, build the app, serve until signalled."""
+    try:
+        settings = settings_type()
+    except ValidationError as e:
+        from rlnode.messages.codec import describe_validation_error
+
+        print(
+            f"{service}: bad settings: {describe_validation_error(e, 'settings')}", file=sys.stderr
+        )
+        return 2
+    configure_logging(service, settings.log_level)
+    try:
+        app = app_factory(settings)
+    except StartupError as e:
+        print(f"{service}: cannot start: {e}", file=sys.stderr)
+        return 2
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_graceful_shutdown=int(settings.shutdown_grace_s),
+        lifespan="on",
+    )
+    server = _GracefulServer(config)
+    server.run()
+    # uvicorn leaves `started` False when it could not bind or the lifespan startup failed.
+    return 0 if server.started else 1

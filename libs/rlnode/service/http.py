@@ -1,0 +1,110 @@
+"""HTTP plumbing every rlnode API shares: error bodies that say what was wrong without
+echoing what was sent, and a request-size limit."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, HTTPException, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from rlnode.service.auth import AuthError
+
+log = logging.getLogger("rlnode.service.http")
+
+
+def describe_request_errors(errors: list[dict[str, Any]], limit: int = 8) -> str:
+    """`body.name: String should match pattern ...; ...`, never the input values (a request
+    may carry a credential in any field)."""
+    parts = []
+    for item in errors[:limit]:
+        where = ".".join(str(p) for p in item.get("loc", ())) or "request"
+        message = str(item.get("msg", "invalid"))
+        parts.append(f"{where}: {message.removeprefix('Value error, ')}")
+    if len(errors) > limit:
+        parts.append(f"... and {len(errors) - limit} more")
+    return "; ".join(parts)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(
+            status_code=422, content={"detail": describe_request_errors(list(exc.errors()))}
+        )
+
+    @app.exception_handler(AuthError)
+    async def _auth(_request: Request, exc: AuthError) -> JSONResponse:
+        headers = {"WWW-Authenticate": "Bearer"} if exc.status == 401 else None
+        return JSONResponse(
+            status_code=exc.status, content={"detail": exc.message}, headers=headers
+        )
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.error(
+            "unhandled %s on %s %s",
+            type(exc).__name__,
+            request.method,
+            request.url.path,
+            exc_info=exc,
+        )
+        return JSONResponse(
+            status_code=500, content={"detail": "internal error; see the service log"}
+        )
+
+
+class BodySizeLimit:
+    """Refuses request bodies over `max_bytes` with 413, whether or not Content-Length says so."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._refuse(send)
+            return
+        seen = 0
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge(self.max_bytes)
+            return message
+
+        try:
+            await self.app(scope, limited_receive, send)
+        except _TooLarge:
+            await self._refuse(send)
+
+    async def _refuse(self, send: Send) -> None:
+        body = f'{{"detail":"request body larger than {self.max_bytes} bytes"}}'.encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(body)).encode()),
+                ],
+            }
+        )
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(HTTPException):
+    # An HTTPException, so FastAPI's body parsing passes it on as a 413 (it turns other
+    # exceptions raised while reading the body into a 400).
+    def __init__(self, max_bytes: int) -> None:
+        super().__init__(413, f"request body larger than {max_bytes} bytes")

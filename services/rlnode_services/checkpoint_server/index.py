@@ -1,0 +1,139 @@
+"""Indexing the topics: checkpoints (from `checkpoint.saved` events), weight versions, and a
+per-job summary; every `train.step` is also appended to the job's metrics.jsonl.
+
+Replays are harmless: records are upserted by key, and a metrics line is written only for a
+step beyond the last one written."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from sqlalchemy.engine import Engine
+
+from rlnode.bus import Delivery
+from rlnode.messages import JobEvent, JobEventType, WeightVersion, utc_now
+from rlnode.service.db import session_scope
+from rlnode_services.checkpoint_server.store import CheckpointRecord, JobSummary, WeightRecord
+
+log = logging.getLogger("checkpoint_server.index")
+
+STATUS_OF = {
+    JobEventType.ACCEPTED: "accepted",
+    JobEventType.QUEUED: "queued",
+    JobEventType.STARTED: "running",
+    JobEventType.COMPLETED: "completed",
+    JobEventType.FAILED: "failed",
+    JobEventType.CANCELLED: "cancelled",
+}
+
+
+def local_path(uri: str, root: Path) -> Path | None:
+    """The file a `file://` URI names, if it lies inside the checkpoint store (a record on
+    the topic must not make this server read files elsewhere)."""
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        return None
+    path = Path(unquote(parsed.path)).resolve()
+    return path if path.is_relative_to(root.resolve()) else None
+
+
+class Indexer:
+    def __init__(self, engine: Engine, checkpoint_root: Path) -> None:
+        self.engine = engine
+        self.root = checkpoint_root
+
+    async def on_event(self, event: JobEvent, _delivery: Delivery) -> None:
+        if event.type is JobEventType.CHECKPOINT_SAVED:
+            self._checkpoint(event)
+        self._summarise(event)
+
+    async def on_weights(self, version: WeightVersion, _delivery: Delivery) -> None:
+        if local_path(version.uri, self.root) is None:
+            log.warning(
+                "weights of %s outside the checkpoint store: %s", version.job_id, version.uri
+            )
+            return
+        with session_scope(self.engine) as s:
+            s.merge(
+                WeightRecord(
+                    job_id=version.job_id,
+                    version=version.version,
+                    org_id=version.org_id,
+                    step=version.step,
+                    uri=version.uri,
+                    sha256=version.sha256,
+                    size_bytes=version.size_bytes,
+                    created_at=version.ts,
+                )
+            )
+
+    def _checkpoint(self, event: JobEvent) -> None:
+        uri, step = event.data.get("uri"), event.data.get("step")
+        if not isinstance(uri, str) or not isinstance(step, int):
+            log.warning("checkpoint.saved of %s without uri/step: %s", event.job_id, event.data)
+            return
+        if local_path(uri, self.root) is None:
+            log.warning("checkpoint of %s outside the checkpoint store: %s", event.job_id, uri)
+            return
+        with session_scope(self.engine) as s:
+            s.merge(
+                CheckpointRecord(
+                    job_id=event.job_id,
+                    step=step,
+                    org_id=event.org_id,
+                    uri=uri,
+                    final=bool(event.data.get("final", False)),
+                    created_at=event.ts,
+                )
+            )
+
+    def _summarise(self, event: JobEvent) -> None:
+        with session_scope(self.engine) as s:
+            summary = s.get(JobSummary, event.job_id)
+            if summary is None:
+                if event.type is JobEventType.REJECTED:
+                    summary = JobSummary(
+                        job_id=event.job_id,
+                        org_id=event.org_id,
+                        status="rejected",
+                        reason=str(event.data.get("reason", event.message))[:2000],
+                        created_at=event.ts,
+                    )
+                    if event.data.get("action", "start") == "start":
+                        s.add(summary)
+                    return
+                summary = JobSummary(job_id=event.job_id, org_id=event.org_id, status="accepted")
+                summary.created_at = event.ts
+            if event.org_id != summary.org_id:
+                return  # another org's event naming this job: not this job's
+            status = STATUS_OF.get(event.type)
+            if status is not None and summary.status not in ("completed", "failed", "cancelled"):
+                summary.status = status
+            if event.type is JobEventType.ACCEPTED:
+                summary.total_steps = event.data.get("steps", summary.total_steps)
+            if event.type in (JobEventType.FAILED, JobEventType.CANCELLED):
+                summary.reason = str(event.data.get("reason", event.message))[:2000]
+            if event.type is JobEventType.TRAIN_STEP:
+                step = int(event.data.get("step", 0))
+                if step > summary.step:
+                    self._append_metrics(event)
+                    summary.step = step
+                    summary.total_steps = event.data.get("total_steps", summary.total_steps)
+                    summary.reward_mean = event.data.get("reward_mean")
+                    summary.loss = event.data.get("loss")
+            summary.updated_at = utc_now()
+            s.add(summary)
+
+    def _append_metrics(self, event: JobEvent) -> None:
+        path = metrics_path(self.root, event.job_id)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        line = {"ts": event.ts.isoformat(), **event.data}
+        with open(path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+
+
+def metrics_path(root: Path, job_id: str) -> Path:
+    return root / job_id / "metrics.jsonl"

@@ -1,0 +1,156 @@
+"""Resolving `<job_id>@<step>` / `<job_id>@latest` to a checkpoint of the caller's org, and
+keeping loaded checkpoints in an LRU cache bounded by memory. A checkpoint loads on its first
+request, into the same batched engine the rollout-generators use."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from pathlib import Path
+
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from rlnode.engine.torch_engine import TorchEngine
+from rlnode_services.checkpoint_server.index import local_path
+from rlnode_services.checkpoint_server.settings import CheckpointServerSettings
+from rlnode_services.checkpoint_server.store import CheckpointRecord
+
+log = logging.getLogger("checkpoint_server.models")
+
+
+class ModelProblem(Exception):
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind = status, message, kind
+
+
+def parse_model(name: str | None) -> tuple[str, str]:
+    if not name or "@" not in name:
+        raise ModelProblem(
+            400,
+            f"model must be '<job_id>@<step>' or '<job_id>@latest', not {name!r}; "
+            "GET /v1/models lists them",
+        )
+    job_id, _, which = name.rpartition("@")
+    return job_id, which
+
+
+class Checkpoints:
+    def __init__(self, engine: Engine, root: Path) -> None:
+        self.engine = engine
+        self.root = root
+
+    def of_job(self, org_id: str, job_id: str | None) -> list[CheckpointRecord]:
+        with Session(self.engine) as s:
+            query = select(CheckpointRecord).where(CheckpointRecord.org_id == org_id)
+            if job_id is not None:
+                query = query.where(CheckpointRecord.job_id == job_id)
+            return list(
+                s.exec(query.order_by(col(CheckpointRecord.job_id), col(CheckpointRecord.step)))
+            )
+
+    def resolve(self, org_id: str, model: str | None) -> tuple[CheckpointRecord, Path]:
+        job_id, which = parse_model(model)
+        available = self.of_job(org_id, job_id)
+        if not available:
+            raise ModelProblem(
+                404,
+                f"no checkpoints of job {job_id!r} in your org; GET /v1/models lists the models "
+                "you can call",
+                "not_found_error",
+            )
+        if which == "latest":
+            record = available[-1]
+        else:
+            try:
+                step = int(which)
+            except ValueError:
+                raise ModelProblem(
+                    400, f"{which!r} is neither a step number nor 'latest'"
+                ) from None
+            record = next((r for r in available if r.step == step), None)
+            if record is None:
+                steps = ", ".join(str(r.step) for r in available)
+                raise ModelProblem(
+                    404,
+                    f"job {job_id!r} has no checkpoint at step {step}; it has steps {steps} "
+                    f"(or use {job_id}@latest)",
+                    "not_found_error",
+                )
+        path = local_path(record.uri, self.root)
+        if path is None or not (path / "config.json").exists():
+            raise ModelProblem(
+                410,
+                f"checkpoint {record.model} is indexed but its files are gone from the "
+                f"checkpoint store ({record.uri}); choose another step (GET /v1/checkpoints?job={job_id})",
+                "not_found_error",
+            )
+        return record, path
+
+
+def _size_of(engine: TorchEngine) -> int:
+    return sum(p.numel() * p.element_size() for p in engine.model.parameters())
+
+
+class ModelCache:
+    """Loaded engines by checkpoint, least recently used first; loading one that does not
+    fit unloads others until it does (one alone may exceed the bound: it still serves)."""
+
+    def __init__(self, settings: CheckpointServerSettings) -> None:
+        self.settings = settings
+        self.engines: OrderedDict[str, TorchEngine] = OrderedDict()
+        self.sizes: dict[str, int] = {}
+        self._loading: dict[str, asyncio.Task] = {}
+        self.loads = 0
+
+    @property
+    def bytes_used(self) -> int:
+        return sum(self.sizes.values())
+
+    async def get(self, key: str, path: Path) -> TorchEngine:
+        engine = self.engines.get(key)
+        if engine is not None:
+            self.engines.move_to_end(key)
+            return engine
+        task = self._loading.get(key)
+        if task is None:  # concurrent first requests share one load
+            task = asyncio.create_task(self._load(key, path))
+            self._loading[key] = task
+        try:
+            return await asyncio.shield(task)
+        finally:
+            if task.done():
+                self._loading.pop(key, None)
+
+    async def _load(self, key: str, path: Path) -> TorchEngine:
+        try:
+            engine = await asyncio.to_thread(
+                TorchEngine,
+                path,
+                device=self.settings.device,
+                dtype=self.settings.dtype,
+                max_batch_size=self.settings.max_batch_size,
+            )
+        except Exception as e:
+            raise ModelProblem(
+                500, f"checkpoint {key} could not be loaded: {e}", "server_error"
+            ) from None
+        size = _size_of(engine)
+        while self.engines and self.bytes_used + size > self.settings.cache_bytes:
+            old_key, old = self.engines.popitem(last=False)
+            self.sizes.pop(old_key, None)
+            log.info("unloading %s to make room for %s", old_key, key)
+            await old.close()
+        self.engines[key] = engine
+        self.sizes[key] = size
+        self.loads += 1
+        log.info("loaded %s (%.1f MB)", key, size / 1e6)
+        return engine
+
+    async def close(self) -> None:
+        for engine in self.engines.values():
+            await engine.close()
+        self.engines.clear()
+        self.sizes.clear()

@@ -1,0 +1,68 @@
+"""What the checkpoint-server knows, built from the topics: every checkpoint and weight
+version, and a summary of every job (status, progress) for `rlnode job list|status`."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Column
+from sqlmodel import Field, SQLModel
+
+from rlnode.messages import utc_now
+from rlnode.service.db import UTCDateTime
+
+
+class CheckpointRecord(SQLModel, table=True):
+    __tablename__ = "checkpoints"
+
+    job_id: str = Field(primary_key=True, max_length=128)
+    step: int = Field(primary_key=True)
+    org_id: str = Field(max_length=128, index=True)
+    uri: str = Field(max_length=4096)
+    final: bool = False
+    created_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UTCDateTime(), nullable=False)
+    )
+
+    @property
+    def model(self) -> str:
+        return f"{self.job_id}@{self.step}"
+
+
+class WeightRecord(SQLModel, table=True):
+    __tablename__ = "weight_versions"
+
+    job_id: str = Field(primary_key=True, max_length=128)
+    version: int = Field(primary_key=True)
+    org_id: str = Field(max_length=128, index=True)
+    step: int
+    uri: str = Field(max_length=4096)
+    sha256: str = Field(max_length=64)
+    size_bytes: int
+    created_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UTCDateTime(), nullable=False)
+    )
+
+
+class JobSummary(SQLModel, table=True):
+    __tablename__ = "job_summaries"
+
+    job_id: str = Field(primary_key=True, max_length=128)
+    org_id: str = Field(max_length=128, index=True)
+    status: str = Field(
+        max_length=16
+    )  # accepted|queued|running|completed|failed|rejected|cancelled
+    step: int = 0
+    total_steps: int | None = None
+    reward_mean: float | None = None
+    loss: float | None = None
+    reason: str | None = Field(default=None, max_length=2000)
+    created_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UTCDateTime(), nullable=False)
+    )
+    updated_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UTCDateTime(), nullable=False)
+    )
+
+
+TABLES = (CheckpointRecord, WeightRecord, JobSummary)

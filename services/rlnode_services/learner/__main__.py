@@ -1,0 +1,17 @@
+"""`python -m learner`: run the learner until SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+
+from rlnode.service.app import serve
+from rlnode_services.learner.app import create_app
+from rlnode_services.learner.settings import SERVICE_NAME, LearnerSettings
+
+
+def main() -> int:
+    return serve(SERVICE_NAME, LearnerSettings, create_app)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

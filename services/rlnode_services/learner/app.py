@@ -1,0 +1,58 @@
+"""HTTP wiring of the learner: the job-request subscription, the job manager's lifecycle,
+and a read-only view of the jobs it owns."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI
+from sqlmodel import Session, select
+
+from rlnode.bus import Bus
+from rlnode.messages import topics
+from rlnode.service.app import create_service_app
+from rlnode.service.auth import VaultTokenVerifier
+from rlnode.service.db import engine_for
+from rlnode_services.learner.intake import JobIntake
+from rlnode_services.learner.jobs import JobManager
+from rlnode_services.learner.settings import SERVICE_NAME, LearnerSettings
+from rlnode_services.learner.store import JobRecord
+
+
+def create_app(settings: LearnerSettings) -> FastAPI:
+    bus = Bus(settings.kafka, service="learner")
+    engine = engine_for("learner", settings.database, settings.node)
+    manager = JobManager(
+        settings, bus, engine, JobIntake(settings, VaultTokenVerifier(settings.vault_url))
+    )
+    bus.subscribe(topics.JOB_REQUESTS, manager.on_request, group_id=settings.group_id)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await bus.start()
+        await manager.start()
+        yield
+        await manager.stop()
+        await bus.stop()
+
+    app = create_service_app(SERVICE_NAME, settings, lifespan=lifespan)
+    app.state.health_checks["service_token"] = lambda: settings.service_token is not None
+
+    @app.get("/v1/jobs", tags=["jobs"])
+    async def jobs() -> list[dict[str, Any]]:
+        """The jobs this learner owns, newest first (for operators; users watch job-events)."""
+        with Session(engine) as s:
+            records = s.exec(select(JobRecord).order_by(JobRecord.created_at.desc())).all()  # type: ignore[attr-defined]
+        return [
+            {
+                "job_id": r.job_id,
+                "org_id": r.org_id,
+                "status": r.status,
+                "step": r.step,
+                "reason": r.reason,
+            }
+            for r in records
+        ]
+
+    return app

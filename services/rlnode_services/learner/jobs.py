@@ -1,0 +1,314 @@
+"""The learner as job owner: requests in, verdicts out, runners started, queued, cancelled
+and resumed after a restart; trajectories routed to their runner, and their offsets
+committed only once a checkpoint covers them."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from dataclasses import dataclass
+
+from aiokafka.structs import OffsetAndMetadata
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, select
+
+from rlnode.bus import Bus, Delivery
+from rlnode.messages import (
+    JobConfig,
+    JobEvent,
+    JobEventType,
+    JobRequest,
+    Trajectory,
+    topics,
+    utc_now,
+)
+from rlnode.service.db import create_tables, session_scope
+from rlnode_services.learner.intake import JobIntake
+from rlnode_services.learner.runner import JobCancelled, JobFailed, JobRunner
+from rlnode_services.learner.settings import LearnerSettings
+from rlnode_services.learner.store import ACTIVE, TABLES, JobRecord
+
+log = logging.getLogger("learner.jobs")
+
+
+@dataclass
+class _Seen:
+    offset: int
+    job_id: str
+    step: int
+
+
+class TrajectoryLedger:
+    """Per partition, the trajectories read but not yet covered by a checkpoint. The commit
+    position is the first one still uncovered, so a restarted learner reads it again."""
+
+    def __init__(self) -> None:
+        self.pending: dict = {}
+
+    def add(self, partition, offset: int, job_id: str, step: int) -> None:
+        self.pending.setdefault(partition, []).append(_Seen(offset, job_id, step))
+
+    def committable(self, is_settled) -> dict:
+        result = {}
+        for partition, seen in self.pending.items():
+            keep = [s for s in seen if not is_settled(s)]
+            done = [s for s in seen if is_settled(s)]
+            if done:
+                position = min(s.offset for s in keep) if keep else max(s.offset for s in done) + 1
+                result[partition] = position
+            self.pending[partition] = keep
+        return result
+
+
+class JobManager:
+    def __init__(
+        self, settings: LearnerSettings, bus: Bus, engine: Engine, intake: JobIntake
+    ) -> None:
+        self.settings = settings
+        self.bus = bus
+        self.engine = engine
+        self.intake = intake
+        self.runners: dict[str, JobRunner] = {}
+        self.tasks: dict[str, asyncio.Task] = {}
+        self.ledger = TrajectoryLedger()
+        # A data-parallel job holds the process group (one per process): one job at a time.
+        self.capacity = 1 if len(settings.device_list) > 1 else settings.max_running_jobs
+        self._consumer = None
+        self._consume_task: asyncio.Task | None = None
+        create_tables(engine, *TABLES)
+
+    # -- lifecycle ----------------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._consumer = self.bus.consumer(
+            topics.TRAJECTORIES, group_id=self.settings.trajectory_group_id
+        )
+        await self._consumer.start()
+        self._consume_task = asyncio.create_task(self._consume(), name="learner-trajectories")
+        with Session(self.engine) as s:
+            active = list(
+                s.exec(
+                    select(JobRecord)
+                    .where(JobRecord.status.in_(ACTIVE))
+                    .order_by(JobRecord.created_at)
+                )
+            )  # type: ignore[attr-defined]
+        for record in active:  # jobs this learner owned before it stopped
+            await self._start_or_queue(record)
+
+    async def stop(self) -> None:
+        for task in self.tasks.values():
+            task.cancel()
+        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        if self._consume_task is not None:
+            self._consume_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._consume_task
+        if self._consumer is not None:
+            await self._consumer.stop()
+
+    # -- requests -------------------------------------------------------------------------
+
+    async def on_request(self, request: JobRequest, _delivery: Delivery) -> None:
+        verdict = await self.intake.check(request)
+        if not verdict.ok:
+            await self._reject(request, verdict.reason)
+            return
+        if request.action == "cancel":
+            await self._cancel(request)
+            return
+        with Session(self.engine) as s:
+            existing = s.get(JobRecord, request.job_id)
+        if existing is not None:
+            reason = (
+                f"job id {request.job_id!r} was used already ({existing.status}); choose another"
+            )
+            await self._reject(request, reason)
+            return
+        record = JobRecord(
+            job_id=request.job_id,
+            org_id=request.org_id,
+            config=json.dumps(request.config.model_dump(mode="json")),
+            status="queued",
+        )
+        with session_scope(self.engine) as s:
+            s.add(record)
+        await self._event(
+            record.job_id,
+            record.org_id,
+            JobEventType.ACCEPTED,
+            "accepted",
+            {"steps": request.config.training.steps},
+        )
+        await self._start_or_queue(record)
+
+    async def _start_or_queue(self, record: JobRecord) -> None:
+        if len(self.runners) >= self.capacity:
+            await self._event(
+                record.job_id,
+                record.org_id,
+                JobEventType.QUEUED,
+                f"queued behind {len(self.runners)} running job(s)",
+            )
+            return
+        config = JobConfig.model_validate_json(record.config)
+        runner = JobRunner(
+            record.job_id,
+            record.org_id,
+            config,
+            self.bus,
+            self.settings.node.checkpoint_dir,
+            self.settings.device_list,
+            self.settings.step_timeout_s,
+            on_progress=lambda step, job_id=record.job_id: self._set(job_id, step=step),
+        )
+        self.runners[record.job_id] = runner
+        self._set(record.job_id, status="running")
+        self.tasks[record.job_id] = asyncio.create_task(
+            self._drive(runner), name=f"job {record.job_id}"
+        )
+
+    async def _drive(self, runner: JobRunner) -> None:
+        job_id, org_id = runner.job_id, runner.org_id
+        try:
+            await runner.run()
+        except JobCancelled:
+            self._set(job_id, status="cancelled")
+            await self._event(
+                job_id,
+                org_id,
+                JobEventType.CANCELLED,
+                f"cancelled at step {runner.step}: {runner.cancel_reason}",
+                {"reason": runner.cancel_reason, "step": runner.step},
+            )
+        except JobFailed as e:
+            self._set(job_id, status="failed", reason=str(e))
+            await self._event(
+                job_id, org_id, JobEventType.FAILED, str(e), {"reason": str(e), "step": runner.step}
+            )
+        except asyncio.CancelledError:
+            raise  # the learner is stopping: the job stays "running" and resumes on restart
+        except Exception as e:
+            log.exception("job %s failed", job_id)
+            reason = f"the learner failed: {type(e).__name__}: {e}"
+            self._set(job_id, status="failed", reason=reason)
+            await self._event(
+                job_id, org_id, JobEventType.FAILED, reason, {"reason": reason, "step": runner.step}
+            )
+        else:
+            self._set(job_id, status="completed")
+            await self._event(
+                job_id,
+                org_id,
+                JobEventType.COMPLETED,
+                f"completed {runner.step} steps",
+                {"steps": runner.step},
+            )
+        finally:
+            self.runners.pop(job_id, None)
+            self.tasks.pop(job_id, None)
+            await self._commit()
+        await self._start_next_queued()
+
+    async def _start_next_queued(self) -> None:
+        with Session(self.engine) as s:
+            queued = s.exec(
+                select(JobRecord).where(JobRecord.status == "queued").order_by(JobRecord.created_at)
+            ).first()
+        if queued is not None and len(self.runners) < self.capacity:
+            await self._start_or_queue(queued)
+
+    async def _cancel(self, request: JobRequest) -> None:
+        with Session(self.engine) as s:
+            record = s.get(JobRecord, request.job_id)
+        if record is None or record.org_id != request.org_id:
+            reason = f"no job {request.job_id!r} to cancel"
+            await self._reject(request, reason)
+        elif request.job_id in self.runners:
+            runner = self.runners[request.job_id]
+            runner.cancel_reason = request.reason or runner.cancel_reason
+            runner.cancelled.set()
+        elif record.status == "queued":
+            self._set(record.job_id, status="cancelled")
+            await self._event(
+                record.job_id,
+                record.org_id,
+                JobEventType.CANCELLED,
+                "cancelled before it started",
+                {"reason": request.reason or "cancelled by request"},
+            )
+        else:
+            reason = f"job {request.job_id!r} is {record.status} already; nothing to cancel"
+            await self._reject(request, reason)
+
+    # -- trajectories ---------------------------------------------------------------------
+
+    async def _consume(self) -> None:
+        while True:
+            batches = await self._consumer.getmany(timeout_ms=500, max_records=500)
+            for partition, records in batches.items():
+                for record in records:
+                    trajectory = await self.bus.accept(
+                        record, Trajectory, group_id=self.settings.trajectory_group_id
+                    )
+                    if trajectory is None:
+                        self.ledger.add(partition, record.offset, "", -1)
+                        continue
+                    self.ledger.add(partition, record.offset, trajectory.job_id, trajectory.step)
+                    runner = self.runners.get(trajectory.job_id)
+                    if runner is not None:
+                        runner.offer(trajectory)
+            await self._commit()
+
+    def _settled(self, seen: _Seen) -> bool:
+        runner = self.runners.get(seen.job_id)
+        if runner is not None:
+            return runner.settled(seen.step)
+        with Session(self.engine) as s:
+            record = s.get(JobRecord, seen.job_id) if seen.job_id else None
+        # A job that is not running here: done with, unknown, or queued (then keep it).
+        return record is None or record.status not in ACTIVE
+
+    async def _commit(self) -> None:
+        if self._consumer is None:
+            return
+        offsets = self.ledger.committable(self._settled)
+        if offsets:
+            await self._consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in offsets.items()})
+
+    # -- helpers -----------------------------------------------------------------------------
+
+    async def _reject(self, request: JobRequest, reason: str) -> None:
+        # A refused cancel says so: watchers must not take it for the job's verdict.
+        await self._event(
+            request.job_id,
+            request.org_id,
+            JobEventType.REJECTED,
+            reason,
+            {"reason": reason, "action": request.action.value},
+        )
+
+    def _set(self, job_id: str, **changes) -> None:
+        with session_scope(self.engine) as s:
+            record = s.get(JobRecord, job_id)
+            if record is not None:
+                for k, v in changes.items():
+                    setattr(record, k, v)
+                record.updated_at = utc_now()
+                s.add(record)
+
+    async def _event(
+        self, job_id: str, org_id: str, kind: JobEventType, message: str, data: dict | None = None
+    ) -> None:
+        await self.bus.publish(
+            JobEvent(
+                job_id=job_id,
+                org_id=org_id,
+                type=kind,
+                source="learner",
+                message=message,
+                data=data or {},
+            )
+        )

@@ -1,0 +1,58 @@
+"""Settings of the learner, from LEARNER_* environment variables (plus the node-wide ones)."""
+
+from __future__ import annotations
+
+import re
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import SettingsConfigDict
+
+from rlnode.messages.topics import LEARNER_GROUP
+from rlnode.service.settings import ServiceSettings
+
+SERVICE_NAME = "learner"
+
+
+class LearnerSettings(ServiceSettings):
+    model_config = SettingsConfigDict(env_prefix="LEARNER_", extra="ignore")
+
+    port: int = Field(8740, ge=0, le=65535)
+    vault_url: str = "http://127.0.0.1:8710"
+    gateway_url: str = "http://127.0.0.1:8720"
+    # A node-wide service token with taskapps:read and secrets:read: to check a job's Task
+    # App and secret before accepting it.
+    service_token: SecretStr | None = None
+
+    devices: str = Field(
+        "cpu",
+        description=(
+            "Training devices, comma-separated: one is a plain trainer, several are data "
+            "parallel (e.g. 'cuda:0,cuda:1'; 'cpu,cpu' runs 2 gloo ranks on the CPU)."
+        ),
+    )
+    visible_gpus: int = Field(
+        0, ge=0, description="GPUs this node has (the plan checks requests against it)."
+    )
+    max_running_jobs: int = Field(1, ge=1, description="Jobs trained at once; more are queued.")
+    group_id: str = LEARNER_GROUP
+    trajectory_group_id: str = "learner-trajectories"
+    step_timeout_s: float = Field(
+        1800.0, gt=0, description="Longest wait for one step's trajectories."
+    )
+
+    @field_validator("devices")
+    @classmethod
+    def _known_devices(cls, value: str) -> str:
+        devices = [d.strip() for d in value.split(",") if d.strip()]
+        if not devices:
+            raise ValueError("name at least one training device, e.g. 'cpu' or 'cuda:0'")
+        for d in devices:
+            if d != "cpu" and not re.fullmatch(r"cuda(:\d+)?", d):
+                raise ValueError(f"unknown device {d!r}: use 'cpu' or 'cuda:N'")
+        if len(set(devices)) != len(devices) and any(d != "cpu" for d in devices):
+            raise ValueError(f"a GPU appears twice in {value!r}: each rank needs its own")
+        return ",".join(devices)
+
+    @property
+    def device_list(self) -> list[str]:
+        return self.devices.split(",")

@@ -1,0 +1,17 @@
+"""`python -m rollout_generator`: run the rollout-generator until SIGTERM."""
+
+from __future__ import annotations
+
+import sys
+
+from rlnode.service.app import serve
+from rlnode_services.rollout_generator.app import create_app
+from rlnode_services.rollout_generator.settings import SERVICE_NAME, GeneratorSettings
+
+
+def main() -> int:
+    return serve(SERVICE_NAME, GeneratorSettings, create_app)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,139 @@
+"""HTTP wiring of the rollout-generator: the per-rollout OpenAI-compatible endpoints the Task
+Apps call, and the lifecycle of the work consumer and the weight follower."""
+
+from __future__ import annotations
+
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+
+from rlnode.bus import Bus
+from rlnode.messages import topics
+from rlnode.service.app import create_service_app
+from rlnode.service.http import install_error_handlers
+from rlnode.service.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_response,
+    completion_response,
+    error_body,
+    stops,
+    text_content,
+    usage,
+)
+from rlnode_services.rollout_generator.engines import EnginePool
+from rlnode_services.rollout_generator.finished import FinishedJobs
+from rlnode_services.rollout_generator.rollouts import (
+    InferenceRefused,
+    RolloutRegistry,
+    RolloutRunner,
+    render_prompt,
+)
+from rlnode_services.rollout_generator.settings import SERVICE_NAME, GeneratorSettings
+from rlnode_services.rollout_generator.weights import WeightSync
+from rlnode_services.rollout_generator.work import WorkConsumer
+
+
+def _check_supported(n: int, stream: bool) -> None:
+    if n != 1:
+        raise InferenceRefused(
+            400, "n must be 1 on rollout endpoints: each call is one recorded turn"
+        )
+    if stream:
+        raise InferenceRefused(
+            400, "streaming is not supported on rollout endpoints; send stream: false"
+        )
+
+
+def create_app(settings: GeneratorSettings) -> FastAPI:
+    pool = EnginePool(settings)
+    registry = RolloutRegistry()
+    bus = Bus(settings.kafka, service=f"rollout-generator/{settings.generator_id}")
+    weights = WeightSync(settings, pool, bus)
+    runner = RolloutRunner(settings, pool, registry, weights)
+    poll_ms = int(
+        (settings.drain_timeout_s + 3600) * 1000
+    )  # long rollouts must not cost the group membership
+    finished = FinishedJobs(bus)
+    consumer = WorkConsumer(
+        bus, settings.work_group, settings.concurrency, runner.run, poll_ms, finished
+    )
+    bus.subscribe(topics.WEIGHT_VERSIONS, weights.on_weight_version, group_id=None, commit="none")
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI):
+        await bus.start()
+        await finished.start()
+        await consumer.start()
+        yield
+        await consumer.stop(settings.drain_timeout_s)
+        await finished.stop()
+        await runner.aclose()
+        await bus.stop()
+        await pool.close()
+
+    app = create_service_app(SERVICE_NAME, settings, lifespan=lifespan)
+    app.state.health_checks["service_token"] = lambda: settings.service_token is not None
+    install_error_handlers(app)
+    app.state.consumer = consumer
+    app.state.registry = registry
+
+    @app.exception_handler(InferenceRefused)
+    async def _refused(_request: Request, exc: InferenceRefused) -> JSONResponse:
+        return JSONResponse(
+            status_code=exc.status,
+            content=error_body(exc.message, code=exc.status),
+        )
+
+    @app.get("/v1/generator", tags=["ops"])
+    async def status() -> dict[str, Any]:
+        return {
+            "generator": settings.generator_id,
+            "rollouts_in_flight": len(registry),
+            "trajectories_published": consumer.published,
+            "work_skipped_for_ended_jobs": finished.skipped,
+            "partitions": consumer.partitions,
+            "jobs": {job: e.loaded_version for job, e in pool.jobs.items()},
+        }
+
+    @app.post("/rollouts/{rollout_id}/v1/chat/completions", tags=["inference"])
+    async def chat_completions(rollout_id: str, body: ChatCompletionRequest) -> dict[str, Any]:
+        """Sampling follows the job's config: temperature and top_p here are not honoured
+        (the learner's importance ratio assumes the job's), and max_tokens can only lower it."""
+        rollout = registry.get(rollout_id)
+        _check_supported(body.n, body.stream)
+        prompt_ids = render_prompt(rollout.engines, [text_content(m) for m in body.messages])
+        turn, text = await rollout.complete(prompt_ids, body.token_budget, stops(body.stop))
+        return chat_response(
+            body.model or rollout.work.job_id,
+            [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text},
+                    "finish_reason": turn.finish_reason,
+                    "logprobs": None,
+                }
+            ],
+            usage(len(turn.prompt_ids), len(turn.completion_ids)),
+        )
+
+    @app.post("/rollouts/{rollout_id}/v1/completions", tags=["inference"])
+    async def completions(rollout_id: str, body: CompletionRequest) -> dict[str, Any]:
+        rollout = registry.get(rollout_id)
+        _check_supported(body.n, body.stream)
+        if isinstance(body.prompt, str):
+            prompt_ids = list(rollout.engines.policy.tokenizer(body.prompt)["input_ids"])
+        else:
+            prompt_ids = list(body.prompt)
+        if not prompt_ids:
+            raise InferenceRefused(400, "empty prompt")
+        turn, text = await rollout.complete(prompt_ids, body.max_tokens, stops(body.stop))
+        return completion_response(
+            body.model or rollout.work.job_id,
+            [{"index": 0, "text": text, "finish_reason": turn.finish_reason, "logprobs": None}],
+            usage(len(turn.prompt_ids), len(turn.completion_ids)),
+        )
+
+    return app

@@ -1,0 +1,123 @@
+"""The engines a generator holds: one per job (its base model, then the weight versions the
+learner publishes), and a frozen reference copy when the reference is stacked here."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from rlnode.engine import Engine, EngineError, create_engine
+from rlnode.messages import ModelSpec, WeightVersion
+from rlnode_services.rollout_generator.settings import GeneratorSettings
+
+log = logging.getLogger("rollout_generator.engines")
+
+
+class WeightsRefused(Exception):
+    pass
+
+
+@dataclass
+class JobEngines:
+    model: ModelSpec
+    policy: Engine
+    reference: Engine | None
+    pending: WeightVersion | None = None
+    loaded_version: int = 0
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
+def path_of(uri: str) -> Path:
+    parsed = urlparse(uri)
+    if parsed.scheme != "file":
+        raise WeightsRefused(f"only file:// weights are supported, not {uri!r}")
+    return Path(unquote(parsed.path))
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+class EnginePool:
+    def __init__(self, settings: GeneratorSettings) -> None:
+        self.settings = settings
+        self.jobs: dict[str, JobEngines] = {}
+        self._creating = asyncio.Lock()
+        self.latest: dict[str, WeightVersion] = {}  # newest version seen per job, loaded or not
+
+    def _create(self, source: str) -> Engine:
+        options = {"device": self.settings.device, "dtype": self.settings.dtype}
+        if self.settings.engine == "torch":
+            options |= {
+                "max_batch_size": self.settings.max_batch_size,
+                "max_wait_ms": self.settings.max_wait_ms,
+            }
+        else:
+            options |= {
+                "tensor_parallel_size": self.settings.tensor_parallel,
+                "max_batch_size": self.settings.max_batch_size,
+            }
+        return create_engine(self.settings.engine, source, **options)
+
+    async def for_job(self, job_id: str, model: ModelSpec) -> JobEngines:
+        engines = self.jobs.get(job_id)
+        if engines is not None:
+            return engines
+        async with self._creating:
+            if job_id not in self.jobs:
+                started = time.perf_counter()
+                policy = await asyncio.to_thread(self._create, model.source)
+                reference = (
+                    await asyncio.to_thread(self._create, model.source)
+                    if self.settings.reference_on_inference
+                    else None
+                )
+                self.jobs[job_id] = JobEngines(model, policy, reference)
+                log.info(
+                    "loaded %s for job %s in %.2fs",
+                    model.source,
+                    job_id,
+                    time.perf_counter() - started,
+                )
+        return self.jobs[job_id]
+
+    async def load(self, engines: JobEngines, version: WeightVersion) -> tuple[float, float]:
+        """Check and load a weight version; returns (load seconds, probe max |diff|)."""
+        async with engines.lock:
+            if version.version <= engines.loaded_version:
+                return 0.0, 0.0
+            path = path_of(version.uri)
+            if not path.is_file():
+                raise WeightsRefused(f"no weights file at {path}")
+            actual = await asyncio.to_thread(sha256_of, path)
+            if actual != version.sha256:
+                raise WeightsRefused(
+                    f"sha256 of {path.name} is {actual[:16]}…, the WeightVersion says {version.sha256[:16]}…"
+                )
+            try:
+                seconds = await engines.policy.load_weights(path, version.version)
+            except EngineError as e:
+                raise WeightsRefused(str(e)) from None
+            engines.loaded_version = version.version
+            (recomputed,) = await engines.policy.score([version.probe.token_ids])
+            diff = max(
+                (abs(a - b) for a, b in zip(recomputed, version.probe.logprobs, strict=True)),
+                default=0.0,
+            )
+            return seconds, diff
+
+    async def close(self) -> None:
+        for engines in self.jobs.values():
+            await engines.policy.close()
+            if engines.reference is not None:
+                await engines.reference.close()
+        self.jobs.clear()

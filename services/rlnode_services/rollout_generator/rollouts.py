@@ -1,0 +1,285 @@
+"""One rollout: mint an id and an unguessable inference URL, have the gateway run the Task
+App against it, serve the Task App's inference calls from the engine while recording exactly
+what was sampled, and join that record with the rewards into a `Trajectory`."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rlnode.engine import EngineError, GenerationRequest, render_chat
+from rlnode.messages import RolloutFailure, RolloutWork, TokenTurn, Trajectory
+from rlnode.service.openai_api import cut_at_stop
+from rlnode.service.pooled_http import HttpCallError, PooledHttp, Reply, TimedOut
+from rlnode.taskapp.contract import (
+    PolicyConfig,
+    RolloutEnvSpec,
+    RolloutPolicySpec,
+    RolloutRequest,
+    RolloutSafetyConfig,
+)
+from rlnode_services.rollout_generator.engines import EnginePool, JobEngines
+from rlnode_services.rollout_generator.settings import GeneratorSettings
+
+log = logging.getLogger("rollout_generator.rollouts")
+
+
+class InferenceRefused(Exception):
+    """A Task App's inference call that cannot be served (says why; answered with 4xx)."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class ActiveRollout:
+    rollout_id: str
+    work: RolloutWork
+    engines: JobEngines | None
+    turns: list[TokenTurn] = field(default_factory=list)
+    outcome: dict[str, Any] | None = None  # the gateway's normalised result, once it answered
+
+    async def complete(
+        self, prompt_ids: list[int], max_tokens: int | None, stop: list[str]
+    ) -> tuple[TokenTurn, str]:
+        """Sample from the policy as the job's sampling config says; record the turn."""
+        sampling = self.work.sampling
+        budget = sampling.max_tokens if max_tokens is None else min(max_tokens, sampling.max_tokens)
+        if budget <= 0:
+            raise InferenceRefused(400, "max_tokens must be positive")
+        if len(prompt_ids) + budget > self.work.model.max_seq_len:
+            raise InferenceRefused(
+                400,
+                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({budget}) exceed the model's "
+                f"{self.work.model.max_seq_len}-token context",
+            )
+        result = await self.engines.policy.generate(
+            GenerationRequest(
+                prompt_ids=prompt_ids,
+                max_tokens=budget,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p,
+                stop=stop,
+            )
+        )
+        turn = TokenTurn(
+            prompt_ids=prompt_ids,
+            completion_ids=result.completion_ids,
+            logprobs=result.logprobs,
+            policy_version=result.policy_version,
+            finish_reason=result.finish_reason,
+        )
+        self.turns.append(turn)
+        tokenizer = self.engines.policy.tokenizer
+        text = tokenizer.decode(result.completion_ids, skip_special_tokens=True)
+        return turn, cut_at_stop(text, stop)
+
+
+class RolloutRegistry:
+    def __init__(self) -> None:
+        self._active: dict[str, ActiveRollout] = {}
+
+    def add(self, rollout: ActiveRollout) -> None:
+        self._active[rollout.rollout_id] = rollout
+
+    def remove(self, rollout_id: str) -> None:
+        self._active.pop(rollout_id, None)
+
+    def get(self, rollout_id: str) -> ActiveRollout:
+        rollout = self._active.get(rollout_id)
+        if rollout is None:
+            raise InferenceRefused(
+                404, "no such rollout in progress (unknown, finished or timed out)"
+            )
+        return rollout
+
+    def __len__(self) -> int:
+        return len(self._active)
+
+
+def render_prompt(engines: JobEngines, messages: list[dict[str, Any]]) -> list[int]:
+    try:
+        return render_chat(engines.policy.tokenizer, messages)
+    except Exception as e:
+        raise InferenceRefused(
+            400, f"cannot apply the chat template to these messages: {e}"
+        ) from None
+
+
+class RolloutRunner:
+    def __init__(
+        self, settings: GeneratorSettings, pool: EnginePool, registry: RolloutRegistry, weights
+    ) -> None:
+        self.settings = settings
+        self.pool = pool
+        self.registry = registry
+        self.weights = weights
+        token = settings.service_token.get_secret_value() if settings.service_token else None
+        self._http = PooledHttp(
+            settings.gateway_url,
+            max_connections=settings.concurrency,
+            headers={"Authorization": f"Bearer {token}"} if token else {},
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def run(self, work: RolloutWork) -> Trajectory:
+        """Always a trajectory: ok, or failed with the reason. Only cancellation (shutdown)
+        escapes, so that the work item stays uncommitted for another generator."""
+        started = time.monotonic()
+        rollout = ActiveRollout(secrets.token_urlsafe(24), work, None)
+        try:
+            try:
+                rollout.engines = await self.pool.for_job(work.job_id, work.model)
+            except (EngineError, OSError, ValueError) as e:
+                # Deterministic: retrying the work item elsewhere would fail the same way.
+                failure = RolloutFailure(
+                    kind="inference_error", message=f"cannot load the job's model: {e}"
+                )
+                return self._failed(rollout, failure, started)
+            await self.weights.catch_up(work.job_id)
+            await self.weights.wait_for(
+                work.job_id, work.policy_version, self.settings.weights_wait_s
+            )
+            self.registry.add(rollout)
+            failure = await self._run_on_gateway(rollout)
+            if failure is None and rollout.outcome is not None:
+                return await self._trajectory(rollout, started)
+            return self._failed(
+                rollout, failure or RolloutFailure(kind="internal", message="no outcome"), started
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            log.exception(
+                "rollout %s of job %s failed inside the generator", rollout.rollout_id, work.job_id
+            )
+            return self._failed(
+                rollout,
+                RolloutFailure(kind="internal", message=f"{type(e).__name__}: {e}"),
+                started,
+            )
+        finally:
+            self.registry.remove(rollout.rollout_id)
+
+    async def _run_on_gateway(self, rollout: ActiveRollout) -> RolloutFailure | None:
+        work = rollout.work
+        request = RolloutRequest(
+            run_id=rollout.rollout_id,
+            env=RolloutEnvSpec(
+                env_name=work.task_app.env_name, seed=work.seed, config=work.task_app.env_config
+            ),
+            policy=RolloutPolicySpec(
+                policy_id=f"{work.job_id}@{work.policy_version}",
+                config=PolicyConfig(
+                    inference_url=f"{self.settings.base_url()}/rollouts/{rollout.rollout_id}",
+                    model=work.job_id,
+                    max_tokens=work.sampling.max_tokens,
+                    temperature=work.sampling.temperature,
+                    top_p=work.sampling.top_p,
+                ),
+            ),
+            safety=RolloutSafetyConfig(max_time_s=work.task_app.rollout_timeout_s),
+            training_session_id=work.job_id,
+        )
+        body = {
+            "org_id": work.org_id,
+            "task_app": work.task_app.name,
+            "job_id": work.job_id,
+            "timeout_s": work.task_app.rollout_timeout_s,
+            "request": request.model_dump(mode="json"),
+        }
+        rollout.outcome = None
+        timeout = work.task_app.rollout_timeout_s + self.settings.rollout_timeout_margin_s
+        try:
+            response = await self._http.post("/v1/rollouts", json=body, timeout_s=timeout)
+        except TimedOut:
+            return RolloutFailure(
+                kind="timeout", message=f"the gateway did not answer within {timeout:g}s"
+            )
+        except HttpCallError as e:
+            return RolloutFailure(
+                kind="internal",
+                message=f"cannot reach the gateway at {self.settings.gateway_url}: {e}",
+            )
+        if response.status != 200:
+            detail = _detail(response)
+            kind = "task_app_unreachable" if response.status == 404 else "internal"
+            return RolloutFailure(
+                kind=kind, message=f"the gateway answered {response.status}: {detail}"
+            )
+        outcome = response.json()
+        if outcome.get("status") != "ok":
+            error = outcome.get("error") or {}
+            return RolloutFailure(
+                kind=error.get("kind", "internal"),
+                message=str(error.get("message", "failed"))[:10_000],
+            )
+        rollout.outcome = outcome["result"]
+        return None
+
+    async def _trajectory(self, rollout: ActiveRollout, started: float) -> Trajectory:
+        result = rollout.outcome
+        if not rollout.turns:
+            return self._failed(
+                rollout,
+                RolloutFailure(
+                    kind="task_app_invalid_response",
+                    message="the Task App never called the inference URL",
+                ),
+                started,
+            )
+        reference = rollout.engines.reference
+        turns = rollout.turns
+        if reference is not None:
+            scores = await reference.score([t.prompt_ids + t.completion_ids for t in turns])
+            turns = [
+                t.model_copy(update={"ref_logprobs": s[len(t.prompt_ids) - 1 :]})
+                for t, s in zip(turns, scores, strict=True)
+            ]
+        return self._trajectory_of(
+            rollout,
+            started,
+            status="ok",
+            turns=turns,
+            reward=result["reward"],
+            step_rewards=result["step_rewards"],
+            metrics=result.get("metrics", {}),
+        )
+
+    def _failed(
+        self, rollout: ActiveRollout, failure: RolloutFailure, started: float
+    ) -> Trajectory:
+        return self._trajectory_of(
+            rollout, started, status="failed", turns=rollout.turns, failure=failure
+        )
+
+    def _trajectory_of(self, rollout: ActiveRollout, started: float, **outcome) -> Trajectory:
+        work = rollout.work
+        return Trajectory(
+            job_id=work.job_id,
+            org_id=work.org_id,
+            work_id=work.id,
+            rollout_id=rollout.rollout_id,
+            generator=self.settings.generator_id,
+            step=work.step,
+            group_id=work.group_id,
+            seed=work.seed,
+            sample_index=work.sample_index,
+            duration_s=time.monotonic() - started,
+            **outcome,
+        )
+
+
+def _detail(response: Reply) -> str:
+    try:
+        return str(response.json().get("detail", response.text))[:2000]
+    except ValueError:
+        return response.text[:2000]

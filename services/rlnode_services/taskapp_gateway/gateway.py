@@ -1,0 +1,250 @@
+"""The gateway's logic, apart from HTTP: the registry, the managed processes, verifying a
+Task App like a job would, and running rollouts with the org's key."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import secrets
+import time
+from pathlib import Path
+
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import Session, select
+
+from rlnode.service.db import create_tables, session_scope
+from rlnode.taskapp.contract import RolloutRequest
+from rlnode_services.taskapp_gateway.client import TaskAppClient, TaskAppFailure
+from rlnode_services.taskapp_gateway.keys import KeyProvider, KeyUnavailable
+from rlnode_services.taskapp_gateway.managed import ManagedSpec, ManagedTaskApp
+from rlnode_services.taskapp_gateway.schemas import (
+    Check,
+    RegisterTaskApp,
+    RolloutError,
+    RolloutOutcome,
+    VerifyReport,
+)
+from rlnode_services.taskapp_gateway.settings import GatewaySettings
+from rlnode_services.taskapp_gateway.store import TABLES, TaskAppRecord
+
+
+class GatewayError(Exception):
+    status = 400
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        if status is not None:
+            self.status = status
+
+
+class Gateway:
+    def __init__(
+        self, engine: Engine, settings: GatewaySettings, keys: KeyProvider, log_dir: Path
+    ) -> None:
+        self.engine = engine
+        self.settings = settings
+        self.keys = keys
+        self.log_dir = log_dir
+        self.client = TaskAppClient(settings.connect_timeout_s, settings.connect_retries)
+        self.managed: dict[tuple[str, str], ManagedTaskApp] = {}
+        # Every rollout names its Task App; reading the registration from the database each
+        # time was a third of the event loop during a job (py-spy). (read at, record)
+        self._records: dict[tuple[str, str], tuple[float, TaskAppRecord]] = {}
+        create_tables(engine, *TABLES)
+
+    async def aclose(self) -> None:
+        await asyncio.gather(*(m.stop() for m in self.managed.values()), return_exceptions=True)
+        self.managed.clear()
+        await self.client.aclose()
+        self.keys.close()
+
+    # -- registry ----------------------------------------------------------------------
+
+    def register(self, org_id: str, body: RegisterTaskApp) -> TaskAppRecord:
+        record = TaskAppRecord(
+            org_id=org_id,
+            name=body.name,
+            kind="external" if body.url else "managed",
+            url=body.url,
+            command=json.dumps(body.command) if body.command else None,
+            cwd=body.cwd,
+            env=json.dumps(body.env),
+            secret=body.secret,
+        )
+        self._records.pop((org_id, body.name), None)
+        try:
+            with session_scope(self.engine) as s:
+                s.add(record)
+                s.flush()
+                s.refresh(record)
+        except IntegrityError:
+            raise GatewayError(
+                f"org {org_id!r} already has a Task App named {body.name!r}; remove it first (rlnode taskapp rm)",
+                409,
+            ) from None
+        if record.kind == "managed":
+            self._managed(record).start()
+        return record
+
+    def list(self, org_id: str) -> list[TaskAppRecord]:
+        with Session(self.engine) as s:
+            return list(
+                s.exec(
+                    select(TaskAppRecord)
+                    .where(TaskAppRecord.org_id == org_id)
+                    .order_by(TaskAppRecord.name)
+                )
+            )
+
+    def get(self, org_id: str, name: str) -> TaskAppRecord:
+        cached = self._records.get((org_id, name))
+        if cached is not None and time.monotonic() - cached[0] < self.settings.registry_cache_s:
+            return cached[1]
+        with Session(self.engine) as s:
+            record = s.exec(
+                select(TaskAppRecord).where(
+                    TaskAppRecord.org_id == org_id, TaskAppRecord.name == name
+                )
+            ).first()
+        if record is None:
+            self._records.pop((org_id, name), None)
+            raise GatewayError(f"org {org_id!r} has no Task App named {name!r}", 404)
+        self._records[(org_id, name)] = (time.monotonic(), record)
+        return record
+
+    async def unregister(self, org_id: str, name: str) -> None:
+        record = self.get(org_id, name)
+        managed = self.managed.pop((org_id, name), None)
+        if managed is not None:
+            await managed.stop()
+        with session_scope(self.engine) as s:
+            s.delete(s.get(TaskAppRecord, record.id))
+        self._records.pop((org_id, name), None)  # after the delete, so no rollout re-caches it
+
+    def managed_status(self, record: TaskAppRecord) -> ManagedTaskApp | None:
+        return self.managed.get((record.org_id, record.name)) if record.kind == "managed" else None
+
+    def _managed(self, record: TaskAppRecord) -> ManagedTaskApp:
+        key = (record.org_id, record.name)
+        if key not in self.managed:
+            spec = ManagedSpec(
+                org_id=record.org_id,
+                name=record.name,
+                argv=json.loads(record.command or "[]"),
+                cwd=record.cwd,
+                env=json.loads(record.env or "{}"),
+                secret=record.secret,
+            )
+            log_path = self.log_dir / record.org_id / f"{record.name}.log"
+            self.managed[key] = ManagedTaskApp(
+                spec, self.keys, self.client, self.settings, log_path
+            )
+        return self.managed[key]
+
+    async def _target(self, record: TaskAppRecord, job_id: str | None = None) -> tuple[str, str]:
+        """Where to call the Task App, and with which key."""
+        if record.kind == "managed":
+            return await self._managed(record).ready(self.settings.start_timeout_s)
+        assert record.url is not None
+        return record.url, await self.keys.get(record.org_id, record.secret, job_id=job_id)
+
+    # -- verify ------------------------------------------------------------------------
+
+    async def verify(self, org_id: str, name: str) -> VerifyReport:
+        """What a job needs: it answers /health with the key, accepts the key on /info, and
+        refuses a wrong key (400/401/403)."""
+        record = self.get(org_id, name)
+        try:
+            url, key = await self._target(record)
+        except (TaskAppFailure, KeyUnavailable) as e:
+            message = e.message
+            failed = Check(ok=False, detail=message)
+            return VerifyReport(
+                ok=False, healthy=failed, accepts_key=failed, refuses_wrong_key=failed
+            )
+        healthy = await self._check(self.client.get_json(url, "/health", key), "answers /health")
+        info = None
+        try:
+            info = await self.client.get_json(url, "/info", key)
+            accepts = Check(ok=isinstance(info, dict), detail="accepts the key on /info")
+        except TaskAppFailure as e:
+            accepts = Check(ok=False, detail=e.message)
+        refuses = await self._refuses_wrong_key(url, key)
+        return VerifyReport(
+            ok=healthy.ok and accepts.ok and refuses.ok,
+            healthy=healthy,
+            accepts_key=accepts,
+            refuses_wrong_key=refuses,
+            info=info if isinstance(info, dict) else None,
+        )
+
+    @staticmethod
+    async def _check(call, what: str) -> Check:
+        try:
+            document = await call
+        except TaskAppFailure as e:
+            return Check(ok=False, detail=e.message)
+        if isinstance(document, dict) and document.get("healthy") is False:
+            return Check(ok=False, detail="answers /health with healthy: false")
+        return Check(ok=True, detail=what)
+
+    async def _refuses_wrong_key(self, url: str, key: str) -> Check:
+        wrong = secrets.token_urlsafe(24)
+        while wrong == key:
+            wrong = secrets.token_urlsafe(24)
+        for sent, label in ((wrong, "a wrong key"), (None, "no key")):
+            try:
+                response, _ = await self.client.request("GET", url + "/health", sent, 10.0)
+            except TaskAppFailure as e:
+                return Check(ok=False, detail=e.message)
+            if response.status not in (400, 401, 403):
+                return Check(
+                    ok=False,
+                    detail=f"answered {response.status} to {label}: it must refuse calls without the right key",
+                )
+        return Check(ok=True, detail="refuses a wrong key and a missing one")
+
+    # -- rollouts ----------------------------------------------------------------------
+
+    async def rollout(
+        self,
+        org_id: str,
+        name: str,
+        request: RolloutRequest,
+        job_id: str | None,
+        timeout_s: float | None,
+    ) -> RolloutOutcome:
+        record = self.get(org_id, name)
+        timeout = timeout_s or self.settings.rollout_timeout_s
+        request.safety.max_time_s = min(request.safety.max_time_s, timeout)
+        started = time.monotonic()
+        try:
+            url, key = await self._target(record, job_id)
+            call = await self.client.rollout(url, key, request, timeout)
+        except KeyUnavailable as e:
+            return self._failed(request, "task_app_auth_refused", e.message, None, started)
+        except TaskAppFailure as e:
+            if e.kind == "task_app_auth_refused" and record.kind == "external":
+                self.keys.forget(org_id, record.secret)  # the key may have changed in the vault
+            return self._failed(request, e.kind, e.message, e.status_code, started)
+        return RolloutOutcome(
+            status="ok",
+            run_id=request.run_id,
+            result=call.result,
+            response=call.response.model_dump(mode="json"),
+            attempts=call.attempts,
+            duration_s=time.monotonic() - started,
+        )
+
+    @staticmethod
+    def _failed(
+        request: RolloutRequest, kind: str, message: str, status: int | None, started: float
+    ) -> RolloutOutcome:
+        return RolloutOutcome(
+            status="failed",
+            run_id=request.run_id,
+            error=RolloutError(kind=kind, message=message, status_code=status),
+            duration_s=time.monotonic() - started,
+        )

@@ -1,0 +1,38 @@
+"""The gateway's registry of Task Apps, per org. No key is ever stored here: the key comes
+from the vault, sealed to the gateway, when a Task App is started or called."""
+
+from __future__ import annotations
+
+from datetime import datetime
+
+from sqlalchemy import Column, UniqueConstraint
+from sqlmodel import Field, SQLModel
+
+from rlnode.messages import utc_now
+from rlnode.service.db import UTCDateTime
+
+
+class TaskAppRecord(SQLModel, table=True):
+    __tablename__ = "gateway_taskapps"
+    __table_args__ = (UniqueConstraint("org_id", "name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    org_id: str = Field(max_length=128, index=True)
+    name: str = Field(max_length=128)
+    kind: str = Field(max_length=16, description="external | managed")
+    url: str | None = Field(default=None, max_length=2048, description="external: the base URL")
+    command: str | None = Field(default=None, max_length=8192, description="managed: argv as JSON")
+    cwd: str | None = Field(default=None, max_length=4096)
+    env: str = Field(
+        default="{}", max_length=16384, description="managed: extra env as JSON (no secrets)"
+    )
+    secret: str = Field(default="ENVIRONMENT_API_KEY", max_length=128)
+    created_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UTCDateTime(), nullable=False)
+    )
+    updated_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UTCDateTime(), nullable=False)
+    )
+
+
+TABLES = (TaskAppRecord,)
