@@ -42,10 +42,10 @@ format: setup
 	$(BIN)/ruff format .
 
 proto: setup
-	$(BIN)/python -m rlnode.proto proto
+	$(BIN)/python -m rlnode.messages.proto proto
 
 proto-check: setup
-	$(BIN)/python -m rlnode.proto --check proto
+	$(BIN)/python -m rlnode.messages.proto --check proto
 
 # schemathesis against the vault's OpenAPI spec, on a real vault process: no 5xx allowed.
 fuzz-vault: setup

@@ -61,21 +61,18 @@ def trajectory(job_id: str, turns: int, prompt: int, completion: int, rng: rando
 async def through_broker(settings: KafkaSettings, batch: list[Trajectory]) -> float:
     bus = Bus(settings, service="bench")
     await bus.start()
-    consumer = bus.consumer(topics.TRAJECTORIES, group_id=None, from_beginning=False)
-    await consumer.start()
+    reader = bus.reader(topics.TRAJECTORIES, from_beginning=False)
+    await reader.start()  # positioned at the end before we publish
     try:
-        await asyncio.sleep(1.0)  # the consumer holds its partitions before we publish
-        await consumer.seek_to_end()
         wanted = {str(t.id) for t in batch}
         started = time.perf_counter()
         await asyncio.gather(*(bus.publish(t) for t in batch))
         while wanted:
-            for records in (await consumer.getmany(timeout_ms=1000)).values():
-                for record in records:
-                    wanted.discard(str(decode(record.value, Trajectory).id))
+            for record in await reader.fetch(timeout_ms=1000):
+                wanted.discard(str(decode(record.value, Trajectory).id))
         return time.perf_counter() - started
     finally:
-        await consumer.stop()
+        await reader.stop()
         await bus.stop()
 
 
@@ -94,10 +91,9 @@ async def weight_sync(settings: KafkaSettings, trainer: Trainer, engine: TorchEn
     async def on_version(version: WeightVersion, _delivery) -> None:
         await arrived.put(version)
 
-    bus.subscribe(topics.WEIGHT_VERSIONS, on_version, group_id=None, commit="none")
+    bus.subscribe(topics.WEIGHT_VERSIONS, on_version, group_id=None, from_beginning=False)
     await bus.start()
     try:
-        await asyncio.sleep(1.0)
         job = f"bench-{uuid.uuid4().hex[:8]}"
         started = time.perf_counter()
         digest, size = await asyncio.to_thread(trainer.save_weights, path)

@@ -108,3 +108,13 @@ async def next_matching(
             item = await queue.get()
             if predicate(item):
                 return item
+
+
+async def eventually(condition: Callable[[], bool], within_s: float, what: str) -> None:
+    """Until `condition()` holds (checked every 50 ms); fails naming `what` after `within_s`.
+    For state with no event to wait on; never a timing assertion."""
+    for _ in range(max(1, int(within_s / 0.05))):
+        if condition():
+            return
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not within {within_s:g}s: {what}")

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import logging
+import os
+import signal
 
 import orjson
 import pytest
-from aiokafka import AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from rlnode.bus import Bus, BusUnavailable, RecordTooLarge
-from rlnode.bus.localbroker import free_port
+from rlnode.bus import Bus, BusUnavailable, RecordTooLarge, ensure_topics
+from rlnode.bus.localbroker import LocalBroker, free_port
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import DeadLetter, JobEvent, JobEventType, JobRequest, Trajectory, topics
-from rlnode.messages.codec import encode
+from rlnode.messages.codec import decode, encode
 from rlnode.messages.examples import example_payloads
 from rlnode.testing import unique_id
-from tests.conftest import next_matching
+from tests.conftest import eventually, next_matching
 
 pytestmark = pytest.mark.asyncio
 
@@ -44,7 +47,7 @@ async def test_every_message_type_round_trips(make_bus) -> None:
     received: dict[str, asyncio.Queue] = {t: asyncio.Queue() for t in topics.ALL_TOPICS}
     # Group-less readers: group behaviour has tests of its own, and six group joins are slow.
     for topic in topics.ALL_TOPICS:
-        bus.subscribe(topic, _queue_handler(received[topic]), group_id=None, commit="none")
+        bus.subscribe(topic, _queue_handler(received[topic]), group_id=None)
     await bus.start()
     for message in sent:
         await bus.publish(message)
@@ -68,8 +71,8 @@ async def test_malformed_records_are_dead_lettered_and_the_partition_moves_on(
     letters: asyncio.Queue = asyncio.Queue()
     events: asyncio.Queue = asyncio.Queue()
     bus.subscribe(topics.JOB_REQUESTS, _queue_handler(good), group_id=unique_id("learner"))
-    bus.subscribe(topics.DEAD_LETTERS, _queue_handler(letters), group_id=None, commit="none")
-    bus.subscribe(topics.JOB_EVENTS, _queue_handler(events), group_id=None, commit="none")
+    bus.subscribe(topics.DEAD_LETTERS, _queue_handler(letters), group_id=None)
+    bus.subscribe(topics.JOB_EVENTS, _queue_handler(events), group_id=None)
     await bus.start()
 
     producer = AIOKafkaProducer(bootstrap_servers=kafka_settings.bootstrap_servers)
@@ -131,7 +134,7 @@ async def test_a_failing_handler_dead_letters_the_record_and_goes_on(make_bus) -
         await seen.put(event)
 
     bus.subscribe(topics.JOB_EVENTS, handler, group_id=unique_id("g"))
-    bus.subscribe(topics.DEAD_LETTERS, _queue_handler(letters), group_id=None, commit="none")
+    bus.subscribe(topics.DEAD_LETTERS, _queue_handler(letters), group_id=None)
     await bus.start()
     for text in ("explode", "fine"):
         await bus.publish(
@@ -195,7 +198,7 @@ async def test_publish_all_keeps_the_order_and_stops_at_an_oversized_record(
     )
     bus = make_bus("batch", small)
     got: asyncio.Queue = asyncio.Queue()
-    bus.subscribe(topics.JOB_EVENTS, _queue_handler(got), group_id=None, commit="none")
+    bus.subscribe(topics.JOB_EVENTS, _queue_handler(got), group_id=None)
     await bus.start()
 
     def event(seq: int, padding: int = 0) -> JobEvent:
@@ -266,30 +269,119 @@ async def test_committed_offsets_survive_a_consumer_restart(make_bus) -> None:
     assert await consume_until(2) == [3, 4]
 
 
-async def test_manual_commit_redelivers_what_was_not_committed(make_bus) -> None:
+async def test_only_the_settled_prefix_is_committed(make_bus) -> None:
+    """commit="when_settled": a record whose effect is not durable yet holds back the ones
+    after it; a consumer that restarts reads again from the first unsettled one."""
     job_id, group = unique_id("job"), unique_id("g")
     producer = make_bus("producer")
     await producer.start()
     await _publish_seqs(producer, job_id, range(4))
 
-    async def run(commit_at: int | None, want: int) -> list[int]:
-        bus = make_bus("manual")
+    async def run(durable: set[int], want: int) -> list[int]:
+        bus = make_bus("settle")
         got: asyncio.Queue = asyncio.Queue()
 
-        async def handler(event: JobEvent, delivery) -> None:
+        async def handler(event: JobEvent, _delivery) -> None:
             if event.job_id == job_id:
-                if event.data["seq"] == commit_at:
-                    await delivery.commit()
                 await got.put(event.data["seq"])
 
-        bus.subscribe(topics.JOB_EVENTS, handler, group_id=group, commit="manual")
+        bus.subscribe(
+            topics.JOB_EVENTS,
+            handler,
+            group_id=group,
+            commit="when_settled",
+            tag=lambda e: e.data.get("seq", -1) if e.job_id == job_id else -1,
+            settled=lambda seq: seq == -1 or seq in durable,  # -1: other tests' events
+        )
         await bus.start()
         seqs = [await asyncio.wait_for(got.get(), 30) for _ in range(want)]
-        await bus.stop()
+        await bus.stop()  # commits the settled prefix
         return seqs
 
-    assert await run(commit_at=1, want=4) == [0, 1, 2, 3]  # only 0..1 committed
-    assert await run(commit_at=None, want=2) == [2, 3]
+    assert await run(durable={0, 2}, want=4) == [0, 1, 2, 3]  # 1 holds 2 back
+    assert await run(durable={1, 2, 3}, want=3) == [1, 2, 3]  # from the first unsettled
+    await _publish_seqs(producer, job_id, [4])
+    assert await run(durable={4}, want=1) == [4]  # 1..3 were committed
+
+
+async def test_a_record_is_committed_past_only_once_its_dead_letter_is_acknowledged(
+    caplog,
+) -> None:
+    """On a broker of its own that the test freezes (SIGSTOP) while the dead letter is being
+    published: the record stays unsettled while the publish fails, and is committed past
+    only once the broker has the dead letter."""
+    caplog.set_level(logging.ERROR, logger="rlnode.bus")
+    with LocalBroker() as broker:
+        settings = KafkaSettings(
+            bootstrap_servers=broker.bootstrap_servers,
+            request_timeout_ms=1000,
+            session_timeout_ms=6000,
+            heartbeat_interval_ms=2000,
+        )
+        await ensure_topics(settings)
+        job_id, group = unique_id("job"), unique_id("g")
+        bus = Bus(settings, service="frozen")
+        reached, go_on = asyncio.Event(), asyncio.Event()
+
+        async def handler(event: JobEvent, _delivery) -> None:
+            reached.set()
+            await go_on.wait()
+            raise RuntimeError("handler bug")
+
+        # The producer gives up on the frozen broker after 1 s; the consumer's group join
+        # waits out the broker's first-join delay (half the session timeout) on its own.
+        subscription = bus.subscribe(
+            topics.JOB_EVENTS, handler, group_id=group, request_timeout_ms=20_000
+        )
+        await bus.start()
+        try:
+            published = await bus.publish(
+                JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t")
+            )
+            await asyncio.wait_for(reached.wait(), 30)
+            partition = TopicPartition(topics.JOB_EVENTS, published.partition)
+            os.kill(broker.pid, signal.SIGSTOP)
+            try:
+                go_on.set()
+                await eventually(
+                    lambda: "could not publish a dead letter" in caplog.text,
+                    30,
+                    "the dead letter's publish failed (and is retried)",
+                )
+                assert subscription.ledger.open == 1
+                assert subscription.ledger.committable() == {}
+            finally:
+                os.kill(broker.pid, signal.SIGCONT)
+            await eventually(
+                lambda: subscription.ledger.open == 0, 60, "the retry went through: settled"
+            )
+            await subscription.commit()
+            async with bus.reader(topics.DEAD_LETTERS, key=job_id) as reader:
+                letters = [
+                    decode(r.value, DeadLetter)
+                    for r in await reader.fetch(timeout_ms=5000)
+                    if r.key == job_id.encode()
+                ]
+            # One dead letter (one id); a publish that timed out may have reached the broker
+            # too, so it can be there twice: at least once, never lost.
+            assert {(d.id, d.error, d.offset) for d in letters} == {
+                (letters[0].id, "handler", published.offset)
+            }
+            committed = await _committed(settings, group, partition)
+            assert committed == published.offset + 1
+        finally:
+            await bus.stop()
+
+
+async def _committed(settings: KafkaSettings, group: str, partition: TopicPartition) -> int | None:
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=settings.bootstrap_servers, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        return await consumer.committed(partition)
+    finally:
+        await consumer.stop()
 
 
 async def test_an_oversized_record_is_refused_with_the_limit(make_bus, kafka_settings) -> None:

@@ -164,7 +164,7 @@ async def watch(make_bus, job_id: str, until, within_s: float) -> list[JobEvent]
             if stop(event):
                 done.set()
 
-    bus.subscribe(topics.JOB_EVENTS, on_event, group_id=None, commit="none")
+    bus.subscribe(topics.JOB_EVENTS, on_event, group_id=None)
     await bus.start()
     try:
         if until is None:

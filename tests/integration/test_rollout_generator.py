@@ -181,8 +181,8 @@ async def collect(
             seen.append(e)
             check()
 
-    bus.subscribe(topics.TRAJECTORIES, on_trajectory, group_id=None, commit="none")
-    bus.subscribe(topics.JOB_EVENTS, on_event, group_id=None, commit="none")
+    bus.subscribe(topics.TRAJECTORIES, on_trajectory, group_id=None)
+    bus.subscribe(topics.JOB_EVENTS, on_event, group_id=None)
     await bus.start()
     try:
         await asyncio.wait_for(done.wait(), within_s)
@@ -372,7 +372,7 @@ async def test_two_generators_share_work_and_a_killed_one_loses_none(
             if len(seen) == len(items):
                 done.set()
 
-    collector.subscribe(topics.TRAJECTORIES, on_trajectory, group_id=None, commit="none")
+    collector.subscribe(topics.TRAJECTORIES, on_trajectory, group_id=None)
     await collector.start()
     await asyncio.wait_for(done.wait(), 120)
     assert {w.id for w in items} == set(seen)  # no work item lost
@@ -578,6 +578,6 @@ async def test_sigterm_mid_run_exits_cleanly_and_leaves_unfinished_work_to_other
     assert all(t.status == "ok" for t in trajectories)
     assert {t.generator for t in trajectories} == {"stopper", "finisher"}
     assert (
-        "left uncommitted for another generator"
+        "left uncommitted for another consumer of group"
         in (stack.directory / "generator-stopper.log").read_text()
     )

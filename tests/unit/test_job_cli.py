@@ -9,8 +9,15 @@ from datetime import UTC, datetime, timedelta
 import pytest
 
 from rlnode.cli.job import CliError, Progress, _config, terminal_curve, write_plot
-from rlnode.messages import JobEvent, JobEventType
-from rlnode.sdk.jobs import ends_the_job, load_config
+from rlnode.messages import JobEvent, JobEventType, ends_the_job
+from rlnode.sdk.jobs import load_config
+
+REQUIRED = {
+    JobEventType.REJECTED: {"reason": "r"},
+    JobEventType.FAILED: {"reason": "r"},
+    JobEventType.CANCELLED: {"reason": "r"},
+    JobEventType.COMPLETED: {"steps": 3},
+}
 
 
 def event(kind: JobEventType, at: float = 0.0, **data) -> JobEvent:
@@ -20,9 +27,7 @@ def event(kind: JobEventType, at: float = 0.0, **data) -> JobEvent:
         type=kind,
         source="learner",
         message=kind.value,
-        data={"reason": "r", **data}
-        if kind in (JobEventType.REJECTED, JobEventType.FAILED, JobEventType.CANCELLED)
-        else data,
+        data={**REQUIRED.get(kind, {}), **data},
         ts=datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=at),
     )
 

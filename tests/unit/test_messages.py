@@ -9,7 +9,9 @@ import pytest
 from pydantic import ValidationError
 
 from rlnode.messages import (
+    ENDED_STATUSES,
     EVENT_DATA,
+    JOB_ENDED,
     PAYLOAD_TYPES,
     JobConfig,
     JobEvent,
@@ -184,12 +186,16 @@ def test_event_data_is_checked_against_its_type() -> None:
     assert event.data["device"] == "cuda:0"  # producers may add fields
 
 
-def test_terminal_events() -> None:
-    terminal = {t for t in JobEventType if t.is_terminal}
-    assert terminal == {
-        JobEventType.REJECTED,
-        JobEventType.COMPLETED,
-        JobEventType.FAILED,
-        JobEventType.CANCELLED,
-    }
+def test_the_events_that_end_a_job() -> None:
+    ended = {t for t in JobEventType if t.ends_a_job}
+    assert (
+        ended
+        == JOB_ENDED
+        == {
+            JobEventType.COMPLETED,
+            JobEventType.FAILED,
+            JobEventType.CANCELLED,
+        }
+    )
+    assert ENDED_STATUSES == {"completed", "failed", "cancelled"}
     assert set(EVENT_DATA) <= set(JobEventType)

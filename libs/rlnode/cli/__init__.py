@@ -19,6 +19,7 @@ rlnode infer JOB@STEP "prompt"  ask a checkpoint (STEP may be `latest`)
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from rlnode import __version__
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     taskapp.register(commands)
     job.register(commands)
     args = parser.parse_args(argv)
+    # A failure is reported as one line below; the Kafka client's own connection errors
+    # would only repeat it, in its words.
+    logging.getLogger("aiokafka").setLevel(logging.CRITICAL)
     try:
         return args.run(args)
     except (

@@ -17,9 +17,9 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from rlnode.bus.settings import KafkaSettings
-from rlnode.messages import JobEvent, JobEventType
+from rlnode.messages import JobEvent, JobEventType, ends_the_job
 from rlnode.sdk.checkpoints import CheckpointClient
-from rlnode.sdk.jobs import JobsClient, ends_the_job, load_config, new_job_id
+from rlnode.sdk.jobs import JobsClient, load_config, new_job_id
 from rlnode.service.auth import AuthError, read_unverified
 
 QUIET = {JobEventType.WEIGHTS_PUBLISHED, JobEventType.WEIGHTS_LOADED, JobEventType.ROLLOUT_BATCH}

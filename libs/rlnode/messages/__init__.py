@@ -10,15 +10,17 @@ from rlnode.messages.config import (
     TopologySpec,
     TrainingSpec,
 )
-from rlnode.messages.dead_letters import DeadLetter
+from rlnode.messages.dead_letters import DeadLetter, DeadLetterError
 from rlnode.messages.jobs import (
+    ENDED_STATUSES,
     EVENT_DATA,
-    TERMINAL_EVENTS,
+    JOB_ENDED,
     EventData,
     JobAction,
     JobEvent,
     JobEventType,
     JobRequest,
+    ends_the_job,
 )
 from rlnode.messages.rollouts import RolloutFailure, RolloutWork, TokenTurn, Trajectory
 from rlnode.messages.weights import ParityProbe, WeightVersion
@@ -29,11 +31,13 @@ PAYLOAD_TYPES: dict[str, type[Stamped]] = {
 }
 
 __all__ = [
+    "ENDED_STATUSES",
     "EVENT_DATA",
     "ID_PATTERN",
+    "JOB_ENDED",
     "PAYLOAD_TYPES",
-    "TERMINAL_EVENTS",
     "DeadLetter",
+    "DeadLetterError",
     "Envelope",
     "EventData",
     "JobAction",
@@ -56,5 +60,6 @@ __all__ = [
     "TrainingSpec",
     "Trajectory",
     "WeightVersion",
+    "ends_the_job",
     "utc_now",
 ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -19,7 +19,9 @@ class DecodeError(ValueError):
     """A record could not be turned into its model. `kind` is "decode" (not JSON) or
     "validation" (JSON of the wrong shape); `document` is the parsed JSON, if any."""
 
-    def __init__(self, kind: str, reason: str, document: Any = None) -> None:
+    def __init__(
+        self, kind: Literal["decode", "validation"], reason: str, document: Any = None
+    ) -> None:
         super().__init__(reason)
         self.kind = kind
         self.reason = reason

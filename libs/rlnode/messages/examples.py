@@ -45,7 +45,13 @@ def example_payloads(job_id: str = "job-example", org_id: str = "org-example") -
     return [
         JobRequest(**ids, token="rln_example-token", config=config),
         JobRequest(**ids, token="rln_example-token", action="cancel", reason="wrong learning rate"),
-        JobEvent(**ids, type=JobEventType.ACCEPTED, source="learner", message="accepted"),
+        JobEvent(
+            **ids,
+            type=JobEventType.ACCEPTED,
+            source="learner",
+            message="accepted",
+            data={"steps": 50},
+        ),
         JobEvent(
             **ids,
             type=JobEventType.TRAIN_STEP,

@@ -63,13 +63,14 @@ class JobEventType(StrEnum):
     CANCELLED = "job.cancelled"
 
     @property
-    def is_terminal(self) -> bool:
-        return self in TERMINAL_EVENTS
+    def ends_a_job(self) -> bool:
+        """A verdict on a job that was accepted: it will get no more work."""
+        return self in JOB_ENDED
 
 
-TERMINAL_EVENTS = frozenset(
-    {JobEventType.REJECTED, JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.CANCELLED}
-)
+JOB_ENDED = frozenset({JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.CANCELLED})
+# The job statuses these verdicts leave behind ("completed", "failed", "cancelled").
+ENDED_STATUSES = frozenset(t.value.removeprefix("job.") for t in JOB_ENDED)
 
 
 class EventData(BaseModel):
@@ -83,12 +84,41 @@ class ReasonData(EventData):
     reason: str = Field(min_length=1, description="What went wrong, in words a user can act on.")
 
 
+class RejectedData(ReasonData):
+    action: JobAction = Field(
+        JobAction.START,
+        description="The request refused: a refused cancel leaves a running job running.",
+    )
+
+
+class EndedData(ReasonData):
+    step: NonNegativeInt | None = Field(None, description="Training steps done when it ended.")
+
+
+class AcceptedData(EventData):
+    steps: PositiveInt = Field(description="Training steps the job will take.")
+
+
+class CompletedData(EventData):
+    steps: NonNegativeInt = Field(description="Training steps taken.")
+
+
+class DeadLetteredData(ReasonData):
+    """Why a record of the job was unusable (data of a `job.rejected` or `job.failed`)."""
+
+    dead_letter_id: str
+    topic: str
+    partition: NonNegativeInt
+    offset: NonNegativeInt
+
+
 class RolloutBatchData(EventData):
     step: NonNegativeInt
     count: NonNegativeInt
     failed: NonNegativeInt
     reward_mean: FiniteFloat | None
     reward_std: FiniteFloat | None
+    failures: list[str] = Field(default_factory=list, description="Failure kinds in the batch.")
 
 
 class TrainStepData(EventData):
@@ -105,6 +135,9 @@ class TrainStepData(EventData):
     tokens_per_s: NonNegativeFloat
     wait_s: NonNegativeFloat
     compute_s: NonNegativeFloat
+    trained_samples: NonNegativeInt = 0
+    world_size: PositiveInt = 1
+    failed_rollouts: NonNegativeInt = 0
 
 
 class WeightsPublishedData(EventData):
@@ -141,9 +174,11 @@ class TrajectoryTooLargeData(EventData):
 
 
 EVENT_DATA: dict[JobEventType, type[EventData]] = {
-    JobEventType.REJECTED: ReasonData,
-    JobEventType.FAILED: ReasonData,
-    JobEventType.CANCELLED: ReasonData,
+    JobEventType.ACCEPTED: AcceptedData,
+    JobEventType.REJECTED: RejectedData,
+    JobEventType.FAILED: EndedData,
+    JobEventType.CANCELLED: EndedData,
+    JobEventType.COMPLETED: CompletedData,
     JobEventType.ROLLOUT_BATCH: RolloutBatchData,
     JobEventType.TRAJECTORY_TOO_LARGE: TrajectoryTooLargeData,
     JobEventType.TRAIN_STEP: TrainStepData,
@@ -175,3 +210,35 @@ class JobEvent(Envelope):
 
     def typed_data(self) -> EventData:
         return EVENT_DATA.get(self.type, EventData).model_validate(self.data)
+
+    @classmethod
+    def of(
+        cls,
+        job_id: str,
+        org_id: str,
+        source: str,
+        kind: JobEventType,
+        message: str = "",
+        data: EventData | None = None,
+    ) -> JobEvent:
+        """An event built from its typed data (the model EVENT_DATA names for `kind`)."""
+        return cls(
+            job_id=job_id,
+            org_id=org_id,
+            type=kind,
+            source=source,
+            message=message,
+            data=data.model_dump(mode="json") if data is not None else {},
+        )
+
+
+def ends_the_job(event: JobEvent, accepted: bool) -> bool:
+    """Whether this event is the job's last word: a verdict after acceptance, or a
+    rejection of the start request before it (a refused cancel leaves the job running)."""
+    if event.type.ends_a_job:
+        return True
+    return (
+        event.type is JobEventType.REJECTED
+        and not accepted
+        and event.data.get("action", JobAction.START) == JobAction.START
+    )

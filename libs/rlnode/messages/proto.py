@@ -26,7 +26,7 @@ TASKAPP_MODELS = (
 
 JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 
-# Who produces and who consumes each topic (DESIGN.md §2).
+# Who produces and who consumes each topic (docs/architecture.md).
 TOPIC_ROLES: dict[str, tuple[str, str, str]] = {
     topics.JOB_REQUESTS: (
         "users (CLI, SDK, any Kafka client)",
@@ -118,7 +118,7 @@ def asyncapi_document() -> dict[str, Any]:
             "version": __version__,
             "description": (
                 "Every record is JSON (orjson) keyed by job_id, so a job's records share one "
-                "partition and keep their order. See docs in DESIGN.md section 2."
+                "partition and keep their order. See docs/architecture.md in the repository."
             ),
         },
         "defaultContentType": "application/json",

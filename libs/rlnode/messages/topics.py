@@ -43,3 +43,11 @@ def payload_type(topic: str) -> type:
         raise ValueError(
             f"unknown topic {topic!r}; rlnode's topics are {', '.join(ALL_TOPICS)}"
         ) from None
+
+
+def topic_for(message: object) -> str:
+    """The topic a payload of this type goes to."""
+    for name in ALL_TOPICS:
+        if isinstance(message, payload_type(name)):
+            return name
+    raise ValueError(f"{type(message).__name__} has no topic of its own; name the topic")

@@ -80,7 +80,7 @@ async def _round_trip(kafka: KafkaSettings) -> str:
                 done.set()
 
     for topic in topics.ALL_TOPICS:
-        bus.subscribe(topic, receive, group_id=None, commit="none", reject_event=None)
+        bus.subscribe(topic, receive, group_id=None)
     async with bus:
         start = time.monotonic()
         for message in sent:
@@ -106,12 +106,14 @@ async def _dead_letter(kafka: KafkaSettings) -> str:
         if message.key == key and message.error == "decode":
             got.set()
 
-    bus.subscribe(topics.JOB_EVENTS, ignore, group_id=None, commit="none")
-    bus.subscribe(topics.DEAD_LETTERS, letter, group_id=None, commit="none")
+    # Dead-lettering is the work of a topic's consumer group: a new group, reading from now.
+    events = bus.subscribe(topics.JOB_EVENTS, ignore, group_id=key, from_beginning=False)
+    bus.subscribe(topics.DEAD_LETTERS, letter, group_id=None, from_beginning=False)
     bus_log = logging.getLogger("rlnode.bus")
     level = bus_log.level
     bus_log.setLevel(logging.ERROR)  # the dead-letter warning is what this check provokes
     async with bus:
+        await events.wait_assigned()
         producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers)
         await producer.start()
         try:

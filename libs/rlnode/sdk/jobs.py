@@ -10,21 +10,16 @@ run jobs.
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-from aiokafka import TopicPartition
-
-from rlnode.bus import Bus, BusUnavailable, partition_for
+from rlnode.bus import Bus
 from rlnode.bus.settings import KafkaSettings
-from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, topics
+from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, ends_the_job, topics
 from rlnode.messages.codec import DecodeError, decode
-
-TERMINAL = {JobEventType.COMPLETED, JobEventType.FAILED, JobEventType.CANCELLED}
 
 
 class JobError(RuntimeError):
@@ -47,18 +42,6 @@ def load_config(path: Path) -> JobConfig:
 
         return JobConfig.model_validate(tomllib.loads(text))
     return JobConfig.model_validate_json(text)
-
-
-def ends_the_job(event: JobEvent, accepted: bool) -> bool:
-    """Whether this event is the job's last word. A rejection ends it only before it was
-    accepted and only for a start request: a refused cancel leaves the job running."""
-    if event.type in TERMINAL:
-        return True
-    return (
-        event.type is JobEventType.REJECTED
-        and not accepted
-        and event.data.get("action", "start") == "start"
-    )
 
 
 class JobsClient:
@@ -119,27 +102,13 @@ class JobsClient:
         job ends; without, stops at the end of what the topic holds now. TimeoutError when
         no event of the job comes within `wait_first_s` of the start (a wrong id, or no
         learner), or none for `idle_timeout_s` at any point."""
-        consumer = self._bus.consumer(group_id=None)
-        try:
-            await consumer.start()
-        except Exception as e:
-            await _stop_quietly(consumer)
-            raise BusUnavailable(
-                f"cannot reach the Kafka broker at {self.kafka.bootstrap_servers}: {e}; "
-                "is the node up (rlnode up) and KAFKA_BOOTSTRAP_SERVERS right?"
-            ) from e
-        try:
-            partition = await _partition_of(consumer, topics.JOB_EVENTS, job_id)
-            consumer.assign([partition])
-            await consumer.seek_to_beginning(partition)
-            end = (await consumer.end_offsets([partition]))[partition]
+        # A job's events all sit in the partition its id is keyed to: read only that one.
+        async with self._bus.reader(topics.JOB_EVENTS, key=job_id) as reader:
             accepted = False
             started = last_news = time.monotonic()
             seen = False
             while True:
-                batch = await consumer.getmany(partition, timeout_ms=500, max_records=500)
-                records = batch.get(partition, [])
-                for record in records:
+                for record in await reader.fetch():
                     event = _job_event(record.value)
                     if event is None or event.job_id != job_id:
                         continue
@@ -148,8 +117,7 @@ class JobsClient:
                     accepted = accepted or event.type is JobEventType.ACCEPTED
                     if ends_the_job(event, accepted):
                         return
-                position = await consumer.position(partition)
-                if not follow and position >= end:
+                if not follow and reader.caught_up.is_set():
                     return
                 if (
                     not seen
@@ -162,8 +130,6 @@ class JobsClient:
                         f"no event of job {job_id} for {idle_timeout_s:g}s; is a learner "
                         "running (rlnode status)?"
                     )
-        finally:
-            await _stop_quietly(consumer)
 
     async def wait(self, job_id: str, idle_timeout_s: float | None = None) -> JobEvent:
         """Until the job ends; its last event if it completed, else JobError saying why."""
@@ -177,29 +143,8 @@ class JobsClient:
         return last
 
 
-async def _partition_of(consumer, topic: str, job_id: str) -> TopicPartition:
-    """Records are keyed by job id with Kafka's default partitioner: a job's events all sit
-    in one partition, so a watcher reads only that one."""
-    partitions = consumer.partitions_for_topic(topic)
-    deadline = time.monotonic() + 10
-    while not partitions:
-        if time.monotonic() > deadline:
-            raise BusUnavailable(f"the topic {topic} does not exist; run `rlnode topics create`")
-        await consumer._client.force_metadata_update()
-        partitions = consumer.partitions_for_topic(topic)
-        await asyncio.sleep(0.1)
-    return TopicPartition(topic, partition_for(job_id, partitions))
-
-
 def _job_event(raw: bytes) -> JobEvent | None:
     try:
         return decode(raw, JobEvent)
     except DecodeError:
         return None  # dead-lettered by its consumers; a watcher skips it
-
-
-async def _stop_quietly(consumer) -> None:
-    try:
-        await consumer.stop()
-    except Exception:
-        pass

@@ -14,7 +14,7 @@ from urllib.parse import unquote, urlparse
 from sqlalchemy.engine import Engine
 
 from rlnode.bus import Delivery
-from rlnode.messages import JobEvent, JobEventType, WeightVersion, utc_now
+from rlnode.messages import ENDED_STATUSES, JobEvent, JobEventType, WeightVersion, utc_now
 from rlnode.service.db import session_scope
 from rlnode_services.checkpoint_server.store import CheckpointRecord, JobSummary, WeightRecord
 
@@ -110,7 +110,7 @@ class Indexer:
             if event.org_id != summary.org_id:
                 return  # another org's event naming this job: not this job's
             status = STATUS_OF.get(event.type)
-            if status is not None and summary.status not in ("completed", "failed", "cancelled"):
+            if status is not None and summary.status not in ENDED_STATUSES:
                 summary.status = status
             if event.type is JobEventType.ACCEPTED:
                 summary.total_steps = event.data.get("steps", summary.total_steps)

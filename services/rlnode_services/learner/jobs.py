@@ -5,16 +5,14 @@ committed only once a checkpoint covers them."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-from dataclasses import dataclass
 
-from aiokafka.structs import OffsetAndMetadata
+from aiokafka.errors import KafkaError
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, select
 
-from rlnode.bus import Bus, Delivery
+from rlnode.bus import Bus, Delivery, Subscription
 from rlnode.messages import (
     JobConfig,
     JobEvent,
@@ -33,35 +31,6 @@ from rlnode_services.learner.store import ACTIVE, TABLES, JobRecord
 log = logging.getLogger("learner.jobs")
 
 
-@dataclass
-class _Seen:
-    offset: int
-    job_id: str
-    step: int
-
-
-class TrajectoryLedger:
-    """Per partition, the trajectories read but not yet covered by a checkpoint. The commit
-    position is the first one still uncovered, so a restarted learner reads it again."""
-
-    def __init__(self) -> None:
-        self.pending: dict = {}
-
-    def add(self, partition, offset: int, job_id: str, step: int) -> None:
-        self.pending.setdefault(partition, []).append(_Seen(offset, job_id, step))
-
-    def committable(self, is_settled) -> dict:
-        result = {}
-        for partition, seen in self.pending.items():
-            keep = [s for s in seen if not is_settled(s)]
-            done = [s for s in seen if is_settled(s)]
-            if done:
-                position = min(s.offset for s in keep) if keep else max(s.offset for s in done) + 1
-                result[partition] = position
-            self.pending[partition] = keep
-        return result
-
-
 class JobManager:
     def __init__(
         self, settings: LearnerSettings, bus: Bus, engine: Engine, intake: JobIntake
@@ -72,21 +41,16 @@ class JobManager:
         self.intake = intake
         self.runners: dict[str, JobRunner] = {}
         self.tasks: dict[str, asyncio.Task] = {}
-        self.ledger = TrajectoryLedger()
         # A data-parallel job holds the process group (one per process): one job at a time.
         self.capacity = 1 if len(settings.device_list) > 1 else settings.max_running_jobs
-        self._consumer = None
-        self._consume_task: asyncio.Task | None = None
+        self.trajectories: Subscription[Trajectory] | None = None
         create_tables(engine, *TABLES)
 
     # -- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
-        self._consumer = self.bus.consumer(
-            topics.TRAJECTORIES, group_id=self.settings.trajectory_group_id
-        )
-        await self._consumer.start()
-        self._consume_task = asyncio.create_task(self._consume(), name="learner-trajectories")
+        """Resume the jobs this learner owned, then read trajectories (runners first, so
+        that none of theirs is read before they can take it)."""
         with Session(self.engine) as s:
             active = list(
                 s.exec(
@@ -97,17 +61,22 @@ class JobManager:
             )  # type: ignore[attr-defined]
         for record in active:  # jobs this learner owned before it stopped
             await self._start_or_queue(record)
+        self.trajectories = self.bus.subscribe(
+            topics.TRAJECTORIES,
+            self.on_trajectory,
+            group_id=self.settings.trajectory_group_id,
+            commit="when_settled",
+            tag=lambda t: (t.job_id, t.step),
+            settled=self._settled,
+        )
+        await self.trajectories.start()
 
     async def stop(self) -> None:
+        """Stop the runners (their jobs stay running and resume on restart); the bus stops
+        the subscriptions."""
         for task in self.tasks.values():
             task.cancel()
         await asyncio.gather(*self.tasks.values(), return_exceptions=True)
-        if self._consume_task is not None:
-            self._consume_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._consume_task
-        if self._consumer is not None:
-            await self._consumer.stop()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -245,38 +214,32 @@ class JobManager:
 
     # -- trajectories ---------------------------------------------------------------------
 
-    async def _consume(self) -> None:
-        while True:
-            batches = await self._consumer.getmany(timeout_ms=500, max_records=500)
-            for partition, records in batches.items():
-                for record in records:
-                    trajectory = await self.bus.accept(
-                        record, Trajectory, group_id=self.settings.trajectory_group_id
-                    )
-                    if trajectory is None:
-                        self.ledger.add(partition, record.offset, "", -1)
-                        continue
-                    self.ledger.add(partition, record.offset, trajectory.job_id, trajectory.step)
-                    runner = self.runners.get(trajectory.job_id)
-                    if runner is not None:
-                        runner.offer(trajectory)
-            await self._commit()
-
-    def _settled(self, seen: _Seen) -> bool:
-        runner = self.runners.get(seen.job_id)
+    async def on_trajectory(self, trajectory: Trajectory, _delivery: Delivery) -> None:
+        runner = self.runners.get(trajectory.job_id)
         if runner is not None:
-            return runner.settled(seen.step)
+            runner.offer(trajectory)
+
+    def _settled(self, tag: tuple[str, int]) -> bool:
+        """Whether a trajectory of (job, step) needs reading again after a restart: not
+        when a checkpoint covers its step, nor when its job is done with or unknown."""
+        job_id, step = tag
+        runner = self.runners.get(job_id)
+        if runner is not None:
+            return runner.settled(step)
         with Session(self.engine) as s:
-            record = s.get(JobRecord, seen.job_id) if seen.job_id else None
+            record = s.get(JobRecord, job_id)
         # A job that is not running here: done with, unknown, or queued (then keep it).
         return record is None or record.status not in ACTIVE
 
     async def _commit(self) -> None:
-        if self._consumer is None:
+        """Commit at once what a job that just ended settled (the subscription commits
+        after every fetch too, so a refused commit is only logged)."""
+        if self.trajectories is None:
             return
-        offsets = self.ledger.committable(self._settled)
-        if offsets:
-            await self._consumer.commit({tp: OffsetAndMetadata(o, "") for tp, o in offsets.items()})
+        try:
+            await self.trajectories.commit()
+        except KafkaError as e:
+            log.warning("committing trajectories failed (%s); read again after a restart", e)
 
     # -- helpers -----------------------------------------------------------------------------
 

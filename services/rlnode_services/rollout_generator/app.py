@@ -1,5 +1,6 @@
 """HTTP wiring of the rollout-generator: the per-rollout OpenAI-compatible endpoints the Task
-Apps call, and the lifecycle of the work consumer and the weight follower."""
+Apps call, and the subscriptions: rollout work (shared by the generators' group), weight
+versions and ended jobs (every generator reads all of both)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from rlnode_services.rollout_generator.rollouts import (
 )
 from rlnode_services.rollout_generator.settings import SERVICE_NAME, GeneratorSettings
 from rlnode_services.rollout_generator.weights import WeightSync
-from rlnode_services.rollout_generator.work import WorkConsumer
+from rlnode_services.rollout_generator.work import WorkHandler
 
 
 def _check_supported(n: int, stream: bool) -> None:
@@ -53,31 +54,32 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
     bus = Bus(settings.kafka, service=f"rollout-generator/{settings.generator_id}")
     weights = WeightSync(settings, pool, bus)
     runner = RolloutRunner(settings, pool, registry, weights)
-    poll_ms = int(
-        (settings.drain_timeout_s + 3600) * 1000
-    )  # long rollouts must not cost the group membership
     finished = FinishedJobs(bus)
-    consumer = WorkConsumer(
-        bus, settings.work_group, settings.concurrency, runner.run, poll_ms, finished
+    work = WorkHandler(bus, runner.run, finished)
+    work_subscription = bus.subscribe(
+        topics.ROLLOUT_WORK,
+        work.on_work,
+        group_id=settings.work_group,
+        concurrency=settings.concurrency,
+        # A long rollout between two fetches must not cost the group membership.
+        max_poll_interval_ms=int((settings.drain_timeout_s + 3600) * 1000),
     )
-    bus.subscribe(topics.WEIGHT_VERSIONS, weights.on_weight_version, group_id=None, commit="none")
+    bus.subscribe(topics.WEIGHT_VERSIONS, weights.on_weight_version, group_id=None)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await bus.start()
-        await finished.start()
-        await consumer.start()
         yield
-        await consumer.stop(settings.drain_timeout_s)
-        await finished.stop()
+        # Rollouts in flight may finish (and publish) for drain_timeout_s; the rest stays
+        # uncommitted for another generator.
+        await bus.stop(settings.drain_timeout_s)
         await runner.aclose()
-        await bus.stop()
         await pool.close()
 
     app = create_service_app(SERVICE_NAME, settings, lifespan=lifespan)
     app.state.health_checks["service_token"] = lambda: settings.service_token is not None
     install_error_handlers(app)
-    app.state.consumer = consumer
+    app.state.work = work_subscription
     app.state.registry = registry
 
     @app.exception_handler(InferenceRefused)
@@ -92,9 +94,9 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         return {
             "generator": settings.generator_id,
             "rollouts_in_flight": len(registry),
-            "trajectories_published": consumer.published,
+            "trajectories_published": work.published,
             "work_skipped_for_ended_jobs": finished.skipped,
-            "partitions": consumer.partitions,
+            "partitions": work_subscription.partitions,
             "jobs": {job: e.loaded_version for job, e in pool.jobs.items()},
         }
 

@@ -1,0 +1,153 @@
+"""aiokafka clients with rlnode's settings (connection, compression, size limits, group
+timing), and the admin operations: topic creation and partition lookup."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterable
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.partitioner import DefaultPartitioner
+
+from rlnode.bus.errors import BusError, BusUnavailable, unreachable
+from rlnode.bus.settings import KafkaSettings
+from rlnode.messages import topics
+
+TOPIC_ALREADY_EXISTS = 36
+
+
+def client_id(settings: KafkaSettings, service: str) -> str:
+    return f"{settings.client_id_prefix}-{service.replace('/', '-')}"
+
+
+def max_uncompressed_bytes(settings: KafkaSettings) -> int:
+    # Token-id JSON compresses 3-5x with zstd; allow that much headroom before compression.
+    return settings.max_message_bytes * 4
+
+
+def producer(settings: KafkaSettings, service: str) -> AIOKafkaProducer:
+    return AIOKafkaProducer(
+        bootstrap_servers=settings.bootstrap_servers,
+        client_id=client_id(settings, service),
+        compression_type=None if settings.compression == "none" else settings.compression,
+        # aiokafka checks the size before compression; the topic checks it after.
+        max_request_size=max_uncompressed_bytes(settings),
+        linger_ms=settings.linger_ms,
+        acks="all",
+        request_timeout_ms=settings.request_timeout_ms,
+    )
+
+
+def consumer(
+    settings: KafkaSettings,
+    service: str,
+    *,
+    group_id: str | None,
+    from_beginning: bool = True,
+    **options: Any,
+) -> AIOKafkaConsumer:
+    """A consumer that commits nothing by itself (the subscription commits what is settled)
+    and fetches records up to the topics' size limit."""
+    fetch_limit = settings.max_message_bytes + 1024 * 1024
+    defaults: dict[str, Any] = {
+        "bootstrap_servers": settings.bootstrap_servers,
+        "client_id": client_id(settings, service),
+        "group_id": group_id,
+        "enable_auto_commit": False,
+        "auto_offset_reset": "earliest" if from_beginning else "latest",
+        "max_partition_fetch_bytes": fetch_limit,
+        "fetch_max_bytes": max(fetch_limit, 50 * 1024 * 1024),
+        "fetch_max_wait_ms": settings.fetch_max_wait_ms,
+        "session_timeout_ms": settings.session_timeout_ms,
+        "heartbeat_interval_ms": settings.heartbeat_interval_ms,
+        "request_timeout_ms": settings.request_timeout_ms,
+    }
+    return AIOKafkaConsumer(**(defaults | options))  # `options` win (e.g. max_poll_interval_ms)
+
+
+def admin(settings: KafkaSettings) -> AIOKafkaAdminClient:
+    return AIOKafkaAdminClient(
+        bootstrap_servers=settings.bootstrap_servers,
+        client_id=f"{settings.client_id_prefix}-admin",
+        request_timeout_ms=settings.request_timeout_ms,
+    )
+
+
+async def _started(client: AIOKafkaAdminClient, settings: KafkaSettings) -> None:
+    try:
+        await client.start()
+    except (KafkaConnectionError, OSError) as e:
+        await client.close()
+        raise unreachable(settings.bootstrap_servers, e) from e
+
+
+async def ensure_topics(
+    settings: KafkaSettings,
+    names: Iterable[str] = topics.ALL_TOPICS,
+    partitions: int | None = None,
+) -> list[str]:
+    """Create the named topics with the partition count and size limit from settings;
+    topics that already exist are left as they are. Returns the ones it created."""
+    client = admin(settings)
+    await _started(client, settings)
+    try:
+        existing = set(await client.list_topics())
+        wanted = [n for n in names if n not in existing]
+        if not wanted:
+            return []
+        response = await client.create_topics(
+            [
+                NewTopic(
+                    name,
+                    num_partitions=partitions or settings.partitions,
+                    replication_factor=settings.replication_factor,
+                    topic_configs={"max.message.bytes": str(settings.max_message_bytes)},
+                )
+                for name in wanted
+            ]
+        )
+        created = []
+        for name, code, message in response.topic_errors:
+            if code == 0:
+                created.append(name)
+            elif code != TOPIC_ALREADY_EXISTS:  # someone else created it meanwhile
+                raise BusError(f"could not create topic {name}: error {code}: {message}")
+        return created
+    finally:
+        await client.close()
+
+
+async def topic_partitions(settings: KafkaSettings, topic: str, wait_s: float = 10.0) -> list[int]:
+    """The partitions of `topic`, waiting up to `wait_s` for it to exist. Asks for every
+    topic's metadata: a request naming the topic could make the broker create it."""
+    client = admin(settings)
+    await _started(client, settings)
+    deadline = time.monotonic() + wait_s
+    try:
+        while True:
+            try:
+                described = await client.describe_topics()
+            except KafkaError as e:
+                raise unreachable(settings.bootstrap_servers, e) from e
+            for entry in described:
+                if entry["topic"] == topic and entry["partitions"]:
+                    return sorted(p["partition"] for p in entry["partitions"])
+            if time.monotonic() > deadline:
+                raise BusUnavailable(
+                    f"the topic {topic} does not exist on {settings.bootstrap_servers}; "
+                    "run `rlnode topics create` (rlnode up and rlnode broker create it)"
+                )
+            await asyncio.sleep(0.2)
+    finally:
+        await client.close()
+
+
+def partition_for(job_id: str, partitions: Iterable[int]) -> int:
+    """The partition that records keyed by `job_id` land on: Kafka's default partitioner
+    (murmur2 of the key), which every producer here uses, over the topic's partitions."""
+    ordered = sorted(partitions)
+    return DefaultPartitioner()(job_id.encode(), ordered, ordered)

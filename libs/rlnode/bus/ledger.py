@@ -1,0 +1,78 @@
+"""Which offsets a consumer group may commit: per partition, the records handed out and
+whether each is settled (its effect is durable). The commit position is one past the
+contiguous run of settled records from the oldest, so a record still in flight, or not yet
+covered by a checkpoint, holds back the ones after it, and a consumer that dies re-reads
+from there. Nothing is lost; a record may be read twice.
+
+Rebalance-safe: `forget` drops a revoked partition, and a late `settle` of one of its
+offsets (a handler that finished after the revoke) is ignored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Iterable
+from typing import Generic, TypeVar
+
+from aiokafka import TopicPartition
+
+Tag = TypeVar("Tag", bound=Hashable)
+
+
+class OffsetLedger(Generic[Tag]):
+    def __init__(self) -> None:
+        # partition -> offset -> tag (None until tagged); insertion order is offset order,
+        # because a partition's records are delivered in order.
+        self._open: dict[TopicPartition, dict[int, Tag | None]] = {}
+        self._settled: dict[TopicPartition, set[int]] = {}
+
+    def track(self, partition: TopicPartition, offset: int) -> None:
+        """A record was handed out; it holds back the commit position until settled."""
+        self._open.setdefault(partition, {})[offset] = None
+        self._settled.setdefault(partition, set())
+
+    def tag(self, partition: TopicPartition, offset: int, tag: Tag) -> None:
+        """Attach what `settle_where` decides on (e.g. the job and step of a trajectory)."""
+        offsets = self._open.get(partition)
+        if offsets is not None and offset in offsets:
+            offsets[offset] = tag
+
+    def settle(self, partition: TopicPartition, offset: int) -> None:
+        if offset in self._open.get(partition, {}):
+            self._settled[partition].add(offset)
+
+    def settle_where(self, is_settled: Callable[[Tag], bool]) -> None:
+        """Settle every tagged open record whose tag `is_settled` says is durable now."""
+        for partition, offsets in self._open.items():
+            settled = self._settled[partition]
+            for offset, tag in offsets.items():
+                if tag is not None and offset not in settled and is_settled(tag):
+                    settled.add(offset)
+
+    def committable(self) -> dict[TopicPartition, int]:
+        """Per partition whose position advanced: the next offset to read (what Kafka
+        commits). The records it covers are forgotten."""
+        positions = {}
+        for partition, offsets in self._open.items():
+            settled = self._settled[partition]
+            last = None
+            for offset in offsets:
+                if offset not in settled:
+                    break
+                last = offset
+            if last is None:
+                continue
+            for offset in [o for o in offsets if o <= last]:
+                del offsets[offset]
+                settled.discard(offset)
+            positions[partition] = last + 1
+        return positions
+
+    def forget(self, partitions: Iterable[TopicPartition]) -> None:
+        for partition in partitions:
+            self._open.pop(partition, None)
+            self._settled.pop(partition, None)
+
+    @property
+    def open(self) -> int:
+        """Records handed out and not yet settled."""
+        return sum(len(o) - len(self._settled[p]) for p, o in self._open.items())

@@ -1,0 +1,95 @@
+"""Reading a topic without a consumer group: every partition (or the one a job's records
+land on) from the beginning (or from now), until caught up with what the topic held at the
+start, then following. For watchers (`rlnode job watch`), and for services that must see
+every record of a topic rather than a share of it (a generator following weight versions
+and ended jobs)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka.errors import KafkaConnectionError
+from aiokafka.structs import ConsumerRecord
+
+from rlnode.bus import clients
+from rlnode.bus.errors import unreachable
+from rlnode.bus.settings import KafkaSettings
+
+
+class TopicReader:
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        topic: str,
+        *,
+        service: str,
+        key: str | None = None,
+        from_beginning: bool = True,
+        topic_wait_s: float = 10.0,
+    ) -> None:
+        """`key`: read only the partition that records keyed by it land on (a job id)."""
+        self.settings = settings
+        self.topic = topic
+        self.service = service
+        self.key = key
+        self.from_beginning = from_beginning
+        self.topic_wait_s = topic_wait_s
+        # Set once every record that existed at the start has been read.
+        self.caught_up = asyncio.Event()
+        self._consumer: AIOKafkaConsumer | None = None
+        self._ends: dict[TopicPartition, int] = {}
+
+    @property
+    def partitions(self) -> list[int]:
+        return sorted(tp.partition for tp in self._ends)
+
+    async def start(self) -> None:
+        numbers = await clients.topic_partitions(self.settings, self.topic, self.topic_wait_s)
+        if self.key is not None:
+            numbers = [clients.partition_for(self.key, numbers)]
+        partitions = [TopicPartition(self.topic, n) for n in numbers]
+        consumer = clients.consumer(self.settings, self.service, group_id=None)
+        try:
+            await consumer.start()
+        except (KafkaConnectionError, OSError) as e:
+            await consumer.stop()
+            raise unreachable(self.settings.bootstrap_servers, e) from e
+        self._consumer = consumer
+        consumer.assign(partitions)
+        if self.from_beginning:
+            await consumer.seek_to_beginning(*partitions)
+        else:
+            await consumer.seek_to_end(*partitions)
+        self._ends = await consumer.end_offsets(partitions)
+        await self._check_caught_up()
+
+    async def fetch(self, timeout_ms: int = 500, max_records: int = 500) -> list[ConsumerRecord]:
+        """The next records in partition order (empty after `timeout_ms` without any)."""
+        assert self._consumer is not None, "start() first"
+        batches = await self._consumer.getmany(timeout_ms=timeout_ms, max_records=max_records)
+        records = [record for batch in batches.values() for record in batch]
+        await self._check_caught_up()
+        return records
+
+    async def _check_caught_up(self) -> None:
+        if self.caught_up.is_set() or self._consumer is None:
+            return
+        for partition, end in self._ends.items():
+            if await self._consumer.position(partition) < end:
+                return
+        self.caught_up.set()
+
+    async def stop(self) -> None:
+        consumer, self._consumer = self._consumer, None
+        if consumer is not None:
+            with contextlib.suppress(Exception):
+                await consumer.stop()
+
+    async def __aenter__(self) -> TopicReader:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.stop()

@@ -1,0 +1,333 @@
+"""The one way rlnode consumes a topic: decode each record into its model, validate it,
+call a small typed handler, dead-letter what cannot be used, bound the records in flight,
+and commit only what is settled (the offset ledger).
+
+With a consumer group the group shares the partitions and commits; a record is settled
+when its handler returns (`commit="on_return"`) or, for effects made durable later (the
+learner's checkpoints), when `settled(tag)` says so (`commit="when_settled"`). A record
+that does not decode or validate, or whose handler raises, is dead-lettered, and only once
+the dead letter is acknowledged is it settled: the partition moves on and nothing is lost.
+
+Without a group (`group_id=None`) the subscription reads every partition itself (a
+`TopicReader`), commits nothing, and skips records it cannot use with a warning: the
+topic's group consumers are the ones that dead-letter them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable, Hashable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
+from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.structs import ConsumerRecord
+from pydantic import BaseModel
+
+from rlnode.bus import clients, dead_letters
+from rlnode.bus.errors import unreachable
+from rlnode.bus.ledger import OffsetLedger
+from rlnode.bus.reader import TopicReader
+from rlnode.messages import DeadLetterError, JobEventType, topics
+from rlnode.messages.codec import DecodeError, decode
+
+if TYPE_CHECKING:
+    from rlnode.bus.core import Bus
+
+log = logging.getLogger("rlnode.bus")
+
+M = TypeVar("M", bound=BaseModel)
+CommitPolicy = Literal["on_return", "when_settled"]
+Handler = Callable[[M, "Delivery"], Awaitable[Any]]
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """Where a record came from."""
+
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    timestamp_ms: int
+
+    @classmethod
+    def of(cls, record: ConsumerRecord) -> Delivery:
+        return cls(record.topic, record.partition, record.offset, record.key, record.timestamp)
+
+
+class Subscription(Generic[M]):
+    def __init__(
+        self,
+        bus: Bus,
+        topic: str,
+        handler: Handler[M],
+        *,
+        group_id: str | None,
+        model: type[M] | None = None,
+        commit: CommitPolicy = "on_return",
+        tag: Callable[[M], Hashable] | None = None,
+        settled: Callable[[Any], bool] | None = None,
+        concurrency: int = 1,
+        from_beginning: bool = True,
+        reject_event: JobEventType | Literal["default"] | None = "default",
+        **consumer_options: Any,
+    ) -> None:
+        if commit == "when_settled" and (tag is None or settled is None or group_id is None):
+            raise ValueError("commit='when_settled' needs a group_id, a tag and a settled check")
+        if concurrency < 1:
+            raise ValueError("concurrency must be at least 1")
+        self.bus = bus
+        self.topic = topic
+        self.handler = handler
+        self.group_id = group_id
+        self.model: type[M] = model or topics.payload_type(topic)
+        self.commit_policy = commit
+        self._tag = tag
+        self._settled = settled
+        self.concurrency = concurrency
+        self.from_beginning = from_beginning
+        self.reject_event = (
+            dead_letters.REJECT_EVENT.get(topic) if reject_event == "default" else reject_event
+        )
+        self._consumer_options = consumer_options
+        self.ledger: OffsetLedger[Hashable] = OffsetLedger()
+        self.assigned = asyncio.Event()  # a group consumer got its first partitions
+        self._caught_up = asyncio.Event()  # group-less: what existed at the start is handled
+        self._consumer: AIOKafkaConsumer | None = None
+        self._reader: TopicReader | None = None
+        self._loop: asyncio.Task | None = None
+        self._in_flight: set[asyncio.Task] = set()
+        self._stopping = False
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        service = self.bus.service
+        if self.group_id is None:
+            self._reader = TopicReader(
+                self.bus.settings, self.topic, service=service, from_beginning=self.from_beginning
+            )
+            await self._reader.start()
+        else:
+            consumer = clients.consumer(
+                self.bus.settings,
+                service,
+                group_id=self.group_id,
+                from_beginning=self.from_beginning,
+                **self._consumer_options,
+            )
+            consumer.subscribe([self.topic], listener=_Rebalance(self))
+            try:
+                await consumer.start()
+            except (KafkaConnectionError, OSError) as e:
+                await consumer.stop()
+                raise unreachable(self.bus.settings.bootstrap_servers, e) from e
+            self._consumer = consumer
+        self._loop = asyncio.create_task(self._run(), name=f"consume {self.topic}")
+
+    async def stop(self, drain_timeout_s: float = 0.0) -> None:
+        """Stop fetching; let records in flight finish for up to `drain_timeout_s`; commit
+        what is settled. What did not finish stays uncommitted for the group to read again."""
+        self._stopping = True
+        if self._loop is not None:
+            self._loop.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._loop
+        if self._in_flight:
+            _done, pending = await asyncio.wait(set(self._in_flight), timeout=drain_timeout_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
+        if self._consumer is not None:
+            with contextlib.suppress(KafkaError):
+                await self.commit()
+            with contextlib.suppress(Exception):
+                await self._consumer.stop()
+            self._consumer = None
+        if self._reader is not None:
+            await self._reader.stop()
+
+    @property
+    def caught_up(self) -> asyncio.Event:
+        """Group-less: set once every record that existed at the start was handled."""
+        if self.group_id is not None:
+            raise RuntimeError("caught_up is for subscriptions without a group")
+        return self._caught_up
+
+    @property
+    def partitions(self) -> list[int]:
+        """The partitions this subscription reads now."""
+        if self._consumer is not None:
+            return sorted(tp.partition for tp in self._consumer.assignment())
+        return self._reader.partitions if self._reader is not None else []
+
+    async def wait_assigned(self, timeout_s: float = 30.0) -> None:
+        """Until a group subscription holds partitions and knows where it reads from in
+        each (so a record published after this is read, even from the latest offset)."""
+        async with asyncio.timeout(timeout_s):
+            await self.assigned.wait()
+            assert self._consumer is not None
+            for partition in self._consumer.assignment():
+                await self._consumer.position(partition)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._in_flight)
+
+    # -- the loop ----------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            free = self.concurrency - len(self._in_flight)
+            if free <= 0:
+                await asyncio.wait(set(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
+                await self._commit_quietly()
+                continue
+            records = await self._fetch(free)
+            for record in records:
+                if self._consumer is not None:
+                    self.ledger.track(TopicPartition(record.topic, record.partition), record.offset)
+                if self.concurrency == 1:
+                    await self._handle(record)
+                else:
+                    task = asyncio.create_task(self._handle(record))
+                    self._in_flight.add(task)
+                    task.add_done_callback(self._in_flight.discard)
+            reader = self._reader
+            if reader is not None and reader.caught_up.is_set() and not self._caught_up.is_set():
+                if self._in_flight:
+                    await asyncio.wait(set(self._in_flight))
+                self._caught_up.set()
+            await self._commit_quietly()
+
+    async def _fetch(self, max_records: int) -> list[ConsumerRecord]:
+        if self._reader is not None:
+            return await self._reader.fetch(max_records=max_records)
+        assert self._consumer is not None
+        batches = await self._consumer.getmany(timeout_ms=500, max_records=max_records)
+        return [record for batch in batches.values() for record in batch]
+
+    async def _handle(self, record: ConsumerRecord) -> None:
+        partition = TopicPartition(record.topic, record.partition)
+        if record.value is None:
+            await self._refuse(record, "decode", "the record has no value (a tombstone)", None)
+            return
+        try:
+            payload = decode(record.value, self.model)
+        except DecodeError as e:
+            await self._refuse(record, e.kind, e.reason, e.document)
+            return
+        try:
+            await self.handler(payload, Delivery.of(record))
+        except asyncio.CancelledError:
+            if self.group_id is not None:
+                log.info(
+                    "%s: %s[%s]@%s was in flight at shutdown: left uncommitted for another "
+                    "consumer of group %s",
+                    self.bus.service,
+                    *_where(record),
+                    self.group_id,
+                )
+            raise
+        except Exception as e:
+            if self._stopping:  # the failure may be the shutdown itself: read it again
+                log.warning("%s: %s at %s/%s left for a retry", self.bus.service, e, *_at(record))
+                return
+            log.exception("%s: handler for %s failed at %s/%s", self.bus.service, *_where(record))
+            reason = f"the handler failed: {type(e).__name__}: {e}"
+            document = {"job_id": getattr(payload, "job_id", None)}
+            document["org_id"] = getattr(payload, "org_id", None)
+            await self._refuse(record, "handler", reason, document)
+            return
+        if self._consumer is None:
+            return
+        if self.commit_policy == "on_return":
+            self.ledger.settle(partition, record.offset)
+        else:
+            assert self._tag is not None
+            self.ledger.tag(partition, record.offset, self._tag(payload))
+
+    async def _refuse(
+        self, record: ConsumerRecord, error: DeadLetterError, reason: str, document: Any
+    ) -> None:
+        """Dead-letter a record (group consumers), or skip it (readers); then settle it."""
+        if self._consumer is None:
+            log.warning("%s: skipped %s[%s]@%s: %s", self.bus.service, *_where(record), reason)
+            return
+        letter = dead_letters.dead_letter(
+            record,
+            error,
+            reason,
+            consumer=self.bus.service,
+            group_id=self.group_id,
+            document=document,
+        )
+        log.warning("%s: dead-lettered %s[%s]@%s: %s", self.bus.service, *_where(record), reason)
+        if record.topic != topics.DEAD_LETTERS:  # never loop: a bad dead letter is only logged
+            event = dead_letters.event_for(letter, self.reject_event, self.bus.service)
+            await self._publish_until_acknowledged([letter] if event is None else [letter, event])
+        self.ledger.settle(TopicPartition(record.topic, record.partition), record.offset)
+
+    async def _publish_until_acknowledged(self, messages: list[BaseModel]) -> None:
+        # Losing the dead letter is worse than waiting: the record is not settled until the
+        # broker has it. On shutdown it stays unsettled and is read again.
+        delay = 0.5
+        while True:
+            try:
+                await self.bus.publish_all(messages)
+                return
+            except Exception as e:
+                if self._stopping:
+                    raise
+                log.error(
+                    "%s: could not publish a dead letter (%s); retrying in %.1fs",
+                    self.bus.service,
+                    e,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
+
+    # -- commits -----------------------------------------------------------------------
+
+    async def commit(self) -> None:
+        """Commit the settled prefix of every partition (group subscriptions)."""
+        if self._consumer is None:
+            return
+        if self._settled is not None:
+            self.ledger.settle_where(self._settled)
+        offsets = self.ledger.committable()
+        if offsets:
+            await self._consumer.commit(offsets)
+
+    async def _commit_quietly(self) -> None:
+        try:
+            await self.commit()
+        except KafkaError as e:
+            # A rebalance can refuse a commit; what was not committed is read again.
+            log.warning("%s: commit on %s failed (%s); will retry", self.bus.service, self.topic, e)
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, subscription: Subscription) -> None:
+        self.subscription = subscription
+
+    async def on_partitions_revoked(self, revoked: Any) -> None:
+        await self.subscription._commit_quietly()
+        self.subscription.ledger.forget(revoked)
+
+    async def on_partitions_assigned(self, assigned: Any) -> None:
+        if assigned:
+            self.subscription.assigned.set()
+
+
+def _where(record: ConsumerRecord) -> tuple[str, int, int]:
+    return record.topic, record.partition, record.offset
+
+
+def _at(record: ConsumerRecord) -> tuple[int, int]:
+    return record.partition, record.offset

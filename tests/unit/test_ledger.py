@@ -1,0 +1,61 @@
+"""The offset ledger: only the contiguous settled prefix of a partition is committable."""
+
+from aiokafka import TopicPartition
+
+from rlnode.bus import OffsetLedger
+
+P0, P1 = TopicPartition("t", 0), TopicPartition("t", 1)
+
+
+def test_only_a_contiguous_settled_run_is_committable() -> None:
+    ledger: OffsetLedger[str] = OffsetLedger()
+    for offset in (10, 11, 12):
+        ledger.track(P0, offset)
+    ledger.track(P1, 5)
+    ledger.settle(P0, 11)
+    assert ledger.committable() == {}  # 10 still open holds 11 back
+    ledger.settle(P0, 10)
+    assert ledger.committable() == {P0: 12}  # commit position = the next offset to read
+    assert ledger.open == 2
+    ledger.settle(P0, 12)
+    ledger.settle(P1, 5)
+    assert ledger.committable() == {P0: 13, P1: 6}
+    assert ledger.committable() == {} and ledger.open == 0
+
+
+def test_tagged_records_settle_when_their_effect_is_durable() -> None:
+    """As the learner uses it: a trajectory (job, step) is settled once a checkpoint covers
+    its step; an earlier unsettled one holds the later ones back."""
+    ledger: OffsetLedger[tuple[str, int]] = OffsetLedger()
+    for offset, step in [(0, 1), (1, 2), (2, 1), (3, 3)]:
+        ledger.track(P0, offset)
+        ledger.tag(P0, offset, ("job", step))
+    ledger.track(P0, 4)  # handed out, not yet tagged: never settled by a predicate
+    checkpointed = 1
+    ledger.settle_where(lambda tag: tag[1] <= checkpointed)
+    assert ledger.committable() == {P0: 1}  # step 2 at offset 1 holds 2 (step 1) back
+    checkpointed = 3
+    ledger.settle_where(lambda tag: tag[1] <= checkpointed)
+    assert ledger.committable() == {P0: 4}
+    assert ledger.open == 1
+
+
+def test_a_revoked_partition_is_forgotten_and_late_settles_are_ignored() -> None:
+    ledger: OffsetLedger[str] = OffsetLedger()
+    ledger.track(P0, 1)
+    ledger.forget([P0])
+    ledger.settle(P0, 1)  # a handler that finished after the revoke
+    assert ledger.committable() == {} and ledger.open == 0
+    ledger.track(P0, 1)  # the partition came back: the record is read again
+    assert ledger.open == 1 and ledger.committable() == {}
+
+
+def test_settling_twice_or_an_unknown_offset_changes_nothing() -> None:
+    ledger: OffsetLedger[str] = OffsetLedger()
+    ledger.track(P0, 7)
+    ledger.settle(P0, 7)
+    ledger.settle(P0, 7)
+    ledger.settle(P0, 99)
+    ledger.settle(P1, 1)
+    assert ledger.committable() == {P0: 8}
+    assert ledger.committable() == {}
