@@ -23,7 +23,7 @@ def machine() -> dict[str, Any]:
 
     gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
     versions = {"python": platform.python_version()}
-    for package in ("torch", "transformers", "aiokafka", "faststream", "trl"):
+    for package in ("torch", "transformers", "aiokafka", "trl"):
         try:
             versions[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

@@ -1,6 +1,7 @@
 """B3 — what the services cost: the same training (tiny model, copy task, same config) run
 through the full node (broker, gateway, Task App process, generator, learner) and in one
-process (bench/inprocess.py: the same engine, GRPO code and trainer, reward in-process),
+process (bench/inprocess.py: the learner's own job loop on the in-memory transport, the copy
+task's Task App code and the same torch engine, in-process),
 interleaved in one invocation. Writes bench/results/overhead.{json,md}.
 
     python bench/overhead.py [--steps 10] [--prompts 8] [--group 8] [--repeats 3]
@@ -16,14 +17,15 @@ from pathlib import Path
 
 from async_modes import run_job
 from bench_common import copy_task_node, job_config, training_arguments, write_results
-from inprocess import LoopConfig, run_loop
+from inprocess import loop_config, run_loop
 
 from rlnode.models.tiny import init_tiny_model
 from rlnode.sdk.jobs import JobsClient
 
 
 def inprocess_rate(model: Path, args, scratch: Path) -> float:
-    records = asyncio.run(run_loop(model, LoopConfig.from_arguments(args), scratch))
+    with tempfile.TemporaryDirectory(dir=scratch) as root:  # a fresh job: no checkpoint to resume
+        records = asyncio.run(run_loop(model, loop_config(model, args), Path(root)))
     per_step = args.prompts * args.group
     # Like the services' figure: from the first step's end to the last's.
     return per_step * (len(records) - 1) / (records[-1].elapsed_s - records[0].elapsed_s)

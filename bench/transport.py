@@ -26,7 +26,7 @@ from rlnode.bus import Bus
 from rlnode.bus.localbroker import LocalBroker
 from rlnode.bus.settings import KafkaSettings
 from rlnode.engine.torch_engine import TorchEngine
-from rlnode.messages import ParityProbe, TokenTurn, Trajectory, WeightVersion, topics
+from rlnode.messages import ParityProbe, TokenTurn, TrainingSpec, Trajectory, WeightVersion, topics
 from rlnode.messages.codec import decode, encode
 from rlnode.models.tiny import init_tiny_model
 from rlnode.training.trainer import Trainer, TrainerConfig
@@ -156,7 +156,7 @@ def main() -> None:
         model = init_tiny_model(
             Path(tmp) / "m", seed=0, hidden=args.hidden, layers=args.layers, heads=8
         )
-        trainer = Trainer(model, TrainerConfig())
+        trainer = Trainer(model, TrainerConfig.of(TrainingSpec()))
         engine = TorchEngine(model, dtype="float32")
         weights_bytes = 0
         for round_ in range(args.repeats):

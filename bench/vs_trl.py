@@ -28,8 +28,8 @@ import time
 from pathlib import Path
 
 from bench_common import copy_task_node, job_config, training_arguments, write_results
-from inprocess import COPY
 
+from rlnode.examples.taskapps import copy_task as COPY
 from rlnode.messages import JobEventType
 from rlnode.models.tiny import init_tiny_model
 from rlnode.sdk.jobs import JobsClient

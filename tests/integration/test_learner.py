@@ -308,7 +308,7 @@ async def test_a_learner_killed_mid_job_resumes_with_nothing_lost_or_trained_twi
     import json
 
     state = json.loads((checkpoint / "trainer_state.json").read_text())
-    from rlnode_services.learner.runner import work_id
+    from rlnode.training.loop import work_id
 
     expected = {
         str(work_id(job_id, s, p, g)) for s in range(steps) for p in range(8) for g in range(8)

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlnode.engine.torch_engine import TorchEngine
+from rlnode.messages import TrainingSpec
 from rlnode.models.tiny import init_tiny_model
 from rlnode.training.distributed import DataParallelError, DataParallelTrainer
 from rlnode.training.grpo import Sample
@@ -48,7 +49,9 @@ def _samples(trainer_or_engine, n: int = 8) -> list[Sample]:
 
 
 def _config(**changes) -> TrainerConfig:
-    return TrainerConfig(**{"learning_rate": 1e-2, "tokens_per_micro_batch": 4096, **changes})
+    return TrainerConfig.of(
+        TrainingSpec(**{"learning_rate": 1e-2, "tokens_per_micro_batch": 4096, **changes})
+    )
 
 
 def test_an_on_policy_step_has_ratio_one_and_moves_toward_the_advantage(model_dir) -> None:

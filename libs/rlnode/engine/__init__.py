@@ -1,6 +1,13 @@
 """Inference engines behind one interface (see `base.Engine`)."""
 
-from rlnode.engine.base import Engine, EngineError, GenerationRequest, GenerationResult, render_chat
+from rlnode.engine.base import (
+    Engine,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    cut_at_stop,
+    render_chat,
+)
 
 
 def create_engine(kind: str, model_path, **options) -> Engine:
@@ -22,5 +29,6 @@ __all__ = [
     "GenerationRequest",
     "GenerationResult",
     "create_engine",
+    "cut_at_stop",
     "render_chat",
 ]

@@ -56,6 +56,14 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
+def cut_at_stop(text: str, stop: list[str]) -> str:
+    """OpenAI semantics: the text ends before the first stop string."""
+    for s in stop:
+        if s in text:
+            text = text[: text.index(s)]
+    return text
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
     """Prompt token ids for chat messages, by the model's own chat template."""
     if not getattr(tokenizer, "chat_template", None):

@@ -65,14 +65,6 @@ def text_content(message: ChatMessage) -> dict[str, Any]:
     return {"role": message.role, "content": content or ""}
 
 
-def cut_at_stop(text: str, stop: list[str]) -> str:
-    """OpenAI semantics: the text ends before the first stop string."""
-    for s in stop:
-        if s in text:
-            text = text[: text.index(s)]
-    return text
-
-
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
     return {
         "prompt_tokens": prompt_tokens,

@@ -8,7 +8,15 @@ from rlnode.taskapp.inference import (
     InferenceError,
     chat_completions_url,
 )
-from rlnode.taskapp.server import Episode, TaskAppDefinition, create_task_app, serve, single_turn
+from rlnode.taskapp.server import (
+    Episode,
+    Policy,
+    TaskAppDefinition,
+    create_task_app,
+    run_rollout,
+    serve,
+    single_turn,
+)
 
 __all__ = [
     "ChatResult",
@@ -16,11 +24,13 @@ __all__ = [
     "InferenceClient",
     "InferenceError",
     "NormalisedRollout",
+    "Policy",
     "RolloutRequest",
     "RolloutResponse",
     "TaskAppDefinition",
     "chat_completions_url",
     "create_task_app",
+    "run_rollout",
     "serve",
     "single_turn",
 ]

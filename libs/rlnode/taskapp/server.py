@@ -19,7 +19,7 @@ import time
 from collections.abc import Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
 from fastapi.responses import JSONResponse
@@ -39,10 +39,18 @@ KEY_ENV = "ENVIRONMENT_API_KEY"
 MAX_TASK_INFO_SEEDS = 256
 
 
+class Policy(Protocol):
+    """What an episode asks for actions: OpenAI-style chat (`InferenceClient` over HTTP)."""
+
+    calls: int
+
+    async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatResult: ...
+
+
 class Episode:
     """What `run_episode` works with: the policy (`chat`) and the record (`step`)."""
 
-    def __init__(self, request: RolloutRequest, policy: InferenceClient) -> None:
+    def __init__(self, request: RolloutRequest, policy: Policy) -> None:
         self.request = request
         self.seed = request.env.seed if request.env.seed is not None else 0
         self.config = request.env.config
@@ -204,7 +212,6 @@ def create_task_app(definition: TaskAppDefinition) -> FastAPI:
     async def rollout(
         request: RolloutRequest, http_request: Request, _: Authorized
     ) -> dict[str, Any]:
-        started = time.monotonic()
         policy_config = request.policy.config
         policy = InferenceClient(
             policy_config.inference_url,
@@ -217,44 +224,55 @@ def create_task_app(definition: TaskAppDefinition) -> FastAPI:
             timeout_s=request.safety.max_time_s,
             client=getattr(http_request.app.state, "inference_http", None),  # None: own client
         )
-        seed = request.env.seed if request.env.seed is not None else 0
-        task = definition.make_task(seed, request.env.config)
-        episode = Episode(request, policy)
-        aborted = False
         try:
-            async with asyncio.timeout(request.safety.max_time_s):
-                await definition.run_episode(task, episode)
-        except TimeoutError:
-            aborted = True
+            response = await run_rollout(definition, request, policy)
         except InferenceError as e:
             raise HTTPException(502, str(e)) from None
         finally:
             await policy.aclose()
-        total = episode.total_reward
-        trajectory = RolloutTrajectory(
-            env_id=f"{definition.name}:{seed}",
-            policy_id=request.policy.policy_id or policy_config.model,
-            steps=episode.steps,
-            final={"reward": total, "aborted": aborted},
-            length=len(episode.steps),
-        )
-        response = RolloutResponse(
-            run_id=request.run_id,
-            trajectories=[trajectory],
-            metrics=RolloutMetrics(
-                episode_returns=[total],
-                mean_return=total,
-                num_steps=len(episode.steps),
-                num_episodes=1,
-                outcome_score=total,
-                details={"inference_calls": policy.calls, "duration_s": time.monotonic() - started},
-            ),
-            aborted=aborted,
-            ops_executed=len(episode.steps),
-        )
         return response.model_dump()
 
     return app
+
+
+async def run_rollout(
+    definition: TaskAppDefinition, request: RolloutRequest, policy: Policy
+) -> RolloutResponse:
+    """Play one episode of `definition` as `request` asks, with `policy` answering its chat
+    calls (over HTTP from `/rollout`; in-process for the job loop's tests and benchmarks).
+    An episode that runs out of time is aborted, not failed."""
+    started = time.monotonic()
+    seed = request.env.seed if request.env.seed is not None else 0
+    task = definition.make_task(seed, request.env.config)
+    episode = Episode(request, policy)
+    aborted = False
+    try:
+        async with asyncio.timeout(request.safety.max_time_s):
+            await definition.run_episode(task, episode)
+    except TimeoutError:
+        aborted = True
+    total = episode.total_reward
+    trajectory = RolloutTrajectory(
+        env_id=f"{definition.name}:{seed}",
+        policy_id=request.policy.policy_id or request.policy.config.model,
+        steps=episode.steps,
+        final={"reward": total, "aborted": aborted},
+        length=len(episode.steps),
+    )
+    return RolloutResponse(
+        run_id=request.run_id,
+        trajectories=[trajectory],
+        metrics=RolloutMetrics(
+            episode_returns=[total],
+            mean_return=total,
+            num_steps=len(episode.steps),
+            num_episodes=1,
+            outcome_score=total,
+            details={"inference_calls": policy.calls, "duration_s": time.monotonic() - started},
+        ),
+        aborted=aborted,
+        ops_executed=len(episode.steps),
+    )
 
 
 def serve(definition: TaskAppDefinition, argv: list[str] | None = None) -> int:

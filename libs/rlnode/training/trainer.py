@@ -18,20 +18,44 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlnode.messages import JobConfig, SamplingSpec, TrainingSpec
 from rlnode.training.grpo import Sample, clipped_objective
 
 
-@dataclass
+@dataclass(frozen=True)
 class TrainerConfig:
-    learning_rate: float = 1e-5
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    clip_eps: float = 0.2
-    kl_coef: float = 0.0
-    temperature: float = 1.0
-    tokens_per_micro_batch: int = 8192
-    minibatches: int = 1  # optimizer steps per training step (see minibatch_parts)
-    seed: int = 0
+    """What the trainer needs of a job, taken from its config in one place (`for_job`): the
+    defaults and their meaning live once, on `TrainingSpec` and `SamplingSpec`."""
+
+    learning_rate: float
+    weight_decay: float
+    max_grad_norm: float
+    clip_eps: float
+    kl_coef: float
+    temperature: float  # the sampling temperature: logprobs are of logits / temperature
+    tokens_per_micro_batch: int
+    minibatches: int  # optimizer steps per training step (see minibatch_parts)
+    seed: int
+
+    @classmethod
+    def for_job(cls, config: JobConfig) -> TrainerConfig:
+        return cls.of(config.training, config.sampling)
+
+    @classmethod
+    def of(cls, training: TrainingSpec, sampling: SamplingSpec | None = None) -> TrainerConfig:
+        sampling = sampling or SamplingSpec()
+        return cls(
+            learning_rate=training.learning_rate,
+            weight_decay=training.weight_decay,
+            max_grad_norm=training.max_grad_norm,
+            clip_eps=training.clip_eps,
+            kl_coef=training.kl_coef,
+            # Temperature 0 is greedy sampling, scored at temperature 1 (see rlnode.engine).
+            temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
+            tokens_per_micro_batch=training.tokens_per_micro_batch,
+            minibatches=training.minibatches,
+            seed=training.seed,
+        )
 
 
 @dataclass

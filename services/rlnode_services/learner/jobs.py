@@ -22,9 +22,17 @@ from rlnode.messages import (
     topics,
     utc_now,
 )
+from rlnode.messages.jobs import (
+    AcceptedData,
+    CompletedData,
+    EndedData,
+    EventData,
+    RejectedData,
+)
 from rlnode.service.db import create_tables, session_scope
+from rlnode.training.loop import JobCancelled, JobFailed, JobRunner
+from rlnode.training.transport import BusTransport
 from rlnode_services.learner.intake import JobIntake
-from rlnode_services.learner.runner import JobCancelled, JobFailed, JobRunner
 from rlnode_services.learner.settings import LearnerSettings
 from rlnode_services.learner.store import ACTIVE, TABLES, JobRecord
 
@@ -39,6 +47,7 @@ class JobManager:
         self.bus = bus
         self.engine = engine
         self.intake = intake
+        self.transport = BusTransport(bus)
         self.runners: dict[str, JobRunner] = {}
         self.tasks: dict[str, asyncio.Task] = {}
         # A data-parallel job holds the process group (one per process): one job at a time.
@@ -109,7 +118,7 @@ class JobManager:
             record.org_id,
             JobEventType.ACCEPTED,
             "accepted",
-            {"steps": request.config.training.steps},
+            AcceptedData(steps=request.config.training.steps),
         )
         await self._start_or_queue(record)
 
@@ -127,7 +136,7 @@ class JobManager:
             record.job_id,
             record.org_id,
             config,
-            self.bus,
+            self.transport,
             self.settings.node.checkpoint_dir,
             self.settings.device_list,
             self.settings.step_timeout_s,
@@ -150,12 +159,16 @@ class JobManager:
                 org_id,
                 JobEventType.CANCELLED,
                 f"cancelled at step {runner.step}: {runner.cancel_reason}",
-                {"reason": runner.cancel_reason, "step": runner.step},
+                EndedData(reason=runner.cancel_reason, step=runner.step),
             )
         except JobFailed as e:
             self._set(job_id, status="failed", reason=str(e))
             await self._event(
-                job_id, org_id, JobEventType.FAILED, str(e), {"reason": str(e), "step": runner.step}
+                job_id,
+                org_id,
+                JobEventType.FAILED,
+                str(e),
+                EndedData(reason=str(e), step=runner.step),
             )
         except asyncio.CancelledError:
             raise  # the learner is stopping: the job stays "running" and resumes on restart
@@ -164,7 +177,11 @@ class JobManager:
             reason = f"the learner failed: {type(e).__name__}: {e}"
             self._set(job_id, status="failed", reason=reason)
             await self._event(
-                job_id, org_id, JobEventType.FAILED, reason, {"reason": reason, "step": runner.step}
+                job_id,
+                org_id,
+                JobEventType.FAILED,
+                reason,
+                EndedData(reason=reason, step=runner.step),
             )
         else:
             self._set(job_id, status="completed")
@@ -173,7 +190,7 @@ class JobManager:
                 org_id,
                 JobEventType.COMPLETED,
                 f"completed {runner.step} steps",
-                {"steps": runner.step},
+                CompletedData(steps=runner.step),
             )
         finally:
             self.runners.pop(job_id, None)
@@ -196,9 +213,7 @@ class JobManager:
             reason = f"no job {request.job_id!r} to cancel"
             await self._reject(request, reason)
         elif request.job_id in self.runners:
-            runner = self.runners[request.job_id]
-            runner.cancel_reason = request.reason or runner.cancel_reason
-            runner.cancelled.set()
+            self.runners[request.job_id].cancel(request.reason)
         elif record.status == "queued":
             self._set(record.job_id, status="cancelled")
             await self._event(
@@ -206,7 +221,7 @@ class JobManager:
                 record.org_id,
                 JobEventType.CANCELLED,
                 "cancelled before it started",
-                {"reason": request.reason or "cancelled by request"},
+                EndedData(reason=request.reason or "cancelled by request", step=0),
             )
         else:
             reason = f"job {request.job_id!r} is {record.status} already; nothing to cancel"
@@ -250,7 +265,7 @@ class JobManager:
             request.org_id,
             JobEventType.REJECTED,
             reason,
-            {"reason": reason, "action": request.action.value},
+            RejectedData(reason=reason, action=request.action),
         )
 
     def _set(self, job_id: str, **changes) -> None:
@@ -263,15 +278,11 @@ class JobManager:
                 s.add(record)
 
     async def _event(
-        self, job_id: str, org_id: str, kind: JobEventType, message: str, data: dict | None = None
+        self,
+        job_id: str,
+        org_id: str,
+        kind: JobEventType,
+        message: str,
+        data: EventData | None = None,
     ) -> None:
-        await self.bus.publish(
-            JobEvent(
-                job_id=job_id,
-                org_id=org_id,
-                type=kind,
-                source="learner",
-                message=message,
-                data=data or {},
-            )
-        )
+        await self.bus.publish(JobEvent.of(job_id, org_id, "learner", kind, message, data))

@@ -11,17 +11,12 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlnode.engine import EngineError, GenerationRequest, render_chat
+from rlnode.engine import EngineError, render_chat
+from rlnode.engine.turns import TurnRefused, sample_turn
 from rlnode.messages import RolloutFailure, RolloutWork, TokenTurn, Trajectory
-from rlnode.service.openai_api import cut_at_stop
 from rlnode.service.pooled_http import HttpCallError, PooledHttp, Reply, TimedOut
-from rlnode.taskapp.contract import (
-    PolicyConfig,
-    RolloutEnvSpec,
-    RolloutPolicySpec,
-    RolloutRequest,
-    RolloutSafetyConfig,
-)
+from rlnode.taskapp.bridge import rollout_request, trajectory
+from rlnode.taskapp.contract import NormalisedRollout
 from rlnode_services.rollout_generator.engines import EnginePool, JobEngines
 from rlnode_services.rollout_generator.settings import GeneratorSettings
 
@@ -43,42 +38,26 @@ class ActiveRollout:
     work: RolloutWork
     engines: JobEngines | None
     turns: list[TokenTurn] = field(default_factory=list)
-    outcome: dict[str, Any] | None = None  # the gateway's normalised result, once it answered
+    outcome: NormalisedRollout | None = None  # the Task App's result, once the gateway answered
 
     async def complete(
         self, prompt_ids: list[int], max_tokens: int | None, stop: list[str]
     ) -> tuple[TokenTurn, str]:
         """Sample from the policy as the job's sampling config says; record the turn."""
-        sampling = self.work.sampling
-        budget = sampling.max_tokens if max_tokens is None else min(max_tokens, sampling.max_tokens)
-        if budget <= 0:
-            raise InferenceRefused(400, "max_tokens must be positive")
-        if len(prompt_ids) + budget > self.work.model.max_seq_len:
-            raise InferenceRefused(
-                400,
-                f"the prompt ({len(prompt_ids)} tokens) plus max_tokens ({budget}) exceed the model's "
-                f"{self.work.model.max_seq_len}-token context",
+        assert self.engines is not None
+        try:
+            turn, text = await sample_turn(
+                self.engines.policy,
+                prompt_ids,
+                self.work.sampling,
+                self.work.model.max_seq_len,
+                max_tokens,
+                stop,
             )
-        result = await self.engines.policy.generate(
-            GenerationRequest(
-                prompt_ids=prompt_ids,
-                max_tokens=budget,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p,
-                stop=stop,
-            )
-        )
-        turn = TokenTurn(
-            prompt_ids=prompt_ids,
-            completion_ids=result.completion_ids,
-            logprobs=result.logprobs,
-            policy_version=result.policy_version,
-            finish_reason=result.finish_reason,
-        )
+        except TurnRefused as e:
+            raise InferenceRefused(400, str(e)) from None
         self.turns.append(turn)
-        tokenizer = self.engines.policy.tokenizer
-        text = tokenizer.decode(result.completion_ids, skip_special_tokens=True)
-        return turn, cut_at_stop(text, stop)
+        return turn, text
 
 
 class RolloutRegistry:
@@ -171,24 +150,8 @@ class RolloutRunner:
 
     async def _run_on_gateway(self, rollout: ActiveRollout) -> RolloutFailure | None:
         work = rollout.work
-        request = RolloutRequest(
-            run_id=rollout.rollout_id,
-            env=RolloutEnvSpec(
-                env_name=work.task_app.env_name, seed=work.seed, config=work.task_app.env_config
-            ),
-            policy=RolloutPolicySpec(
-                policy_id=f"{work.job_id}@{work.policy_version}",
-                config=PolicyConfig(
-                    inference_url=f"{self.settings.base_url()}/rollouts/{rollout.rollout_id}",
-                    model=work.job_id,
-                    max_tokens=work.sampling.max_tokens,
-                    temperature=work.sampling.temperature,
-                    top_p=work.sampling.top_p,
-                ),
-            ),
-            safety=RolloutSafetyConfig(max_time_s=work.task_app.rollout_timeout_s),
-            training_session_id=work.job_id,
-        )
+        inference_url = f"{self.settings.base_url()}/rollouts/{rollout.rollout_id}"
+        request = rollout_request(work, rollout.rollout_id, inference_url)
         body = {
             "org_id": work.org_id,
             "task_app": work.task_app.name,
@@ -222,59 +185,37 @@ class RolloutRunner:
                 kind=error.get("kind", "internal"),
                 message=str(error.get("message", "failed"))[:10_000],
             )
-        rollout.outcome = outcome["result"]
+        rollout.outcome = NormalisedRollout.model_validate(outcome["result"])
         return None
 
     async def _trajectory(self, rollout: ActiveRollout, started: float) -> Trajectory:
-        result = rollout.outcome
-        if not rollout.turns:
-            return self._failed(
-                rollout,
-                RolloutFailure(
-                    kind="task_app_invalid_response",
-                    message="the Task App never called the inference URL",
-                ),
-                started,
-            )
-        reference = rollout.engines.reference
         turns = rollout.turns
-        if reference is not None:
+        reference = rollout.engines.reference if rollout.engines is not None else None
+        if reference is not None and turns:
             scores = await reference.score([t.prompt_ids + t.completion_ids for t in turns])
             turns = [
                 t.model_copy(update={"ref_logprobs": s[len(t.prompt_ids) - 1 :]})
                 for t, s in zip(turns, scores, strict=True)
             ]
-        return self._trajectory_of(
-            rollout,
+        return trajectory(
+            rollout.work,
+            rollout.rollout_id,
+            self.settings.generator_id,
             started,
-            status="ok",
-            turns=turns,
-            reward=result["reward"],
-            step_rewards=result["step_rewards"],
-            metrics=result.get("metrics", {}),
+            turns,
+            rollout.outcome,
         )
 
     def _failed(
         self, rollout: ActiveRollout, failure: RolloutFailure, started: float
     ) -> Trajectory:
-        return self._trajectory_of(
-            rollout, started, status="failed", turns=rollout.turns, failure=failure
-        )
-
-    def _trajectory_of(self, rollout: ActiveRollout, started: float, **outcome) -> Trajectory:
-        work = rollout.work
-        return Trajectory(
-            job_id=work.job_id,
-            org_id=work.org_id,
-            work_id=work.id,
-            rollout_id=rollout.rollout_id,
-            generator=self.settings.generator_id,
-            step=work.step,
-            group_id=work.group_id,
-            seed=work.seed,
-            sample_index=work.sample_index,
-            duration_s=time.monotonic() - started,
-            **outcome,
+        return trajectory(
+            rollout.work,
+            rollout.rollout_id,
+            self.settings.generator_id,
+            started,
+            rollout.turns,
+            failure=failure,
         )
 
 

@@ -1,6 +1,10 @@
 """One job's training loop: issue rollout work at most `max_async` policy versions ahead,
 gather each step's trajectories (deduplicated by work id), take a GRPO step, publish
-weights and checkpoints, and report every step on the job-events topic."""
+weights and checkpoints, and report every step as a job event.
+
+The loop knows no wire: records leave through a `JobTransport` (the bus in the learner,
+memory in tests and benchmarks) and trajectories arrive through `offer`, from whoever
+reads them."""
 
 from __future__ import annotations
 
@@ -13,8 +17,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
 
-from rlnode.bus import Bus
 from rlnode.messages import (
+    EventData,
     JobConfig,
     JobEvent,
     JobEventType,
@@ -23,11 +27,18 @@ from rlnode.messages import (
     Trajectory,
     WeightVersion,
 )
+from rlnode.messages.jobs import (
+    CheckpointSavedData,
+    RolloutBatchData,
+    TrainStepData,
+    WeightsPublishedData,
+)
 from rlnode.training.distributed import DataParallelTrainer
 from rlnode.training.grpo import group_advantages, samples_from
 from rlnode.training.trainer import TrainerConfig
+from rlnode.training.transport import JobTransport
 
-log = logging.getLogger("learner.runner")
+log = logging.getLogger("rlnode.training.loop")
 WORK_NAMESPACE = uuid.UUID("5f0c1c2e-7d0b-4a3e-9a55-2b8f3c1e9d10")
 
 
@@ -50,18 +61,20 @@ class JobRunner:
         job_id: str,
         org_id: str,
         config: JobConfig,
-        bus: Bus,
+        transport: JobTransport,
         checkpoint_root: Path,
         devices: list[str],
         step_timeout_s: float,
         on_progress: Callable[[int], None] = lambda _step: None,
+        source: str = "learner",
     ) -> None:
         self.job_id, self.org_id, self.config = job_id, org_id, config
-        self.bus = bus
+        self.transport = transport
         self.root = checkpoint_root / job_id
         self.devices = devices
         self.step_timeout_s = step_timeout_s
         self.on_progress = on_progress
+        self.source = source
         t = config.training
         self.per_step = t.prompts_per_step * t.group_size
         self.buffer: dict[int, dict[uuid.UUID, Trajectory]] = defaultdict(dict)
@@ -91,6 +104,10 @@ class JobRunner:
         """Whether a trajectory of this step is covered by a durable checkpoint."""
         return trajectory_step <= self.checkpointed_step
 
+    def cancel(self, reason: str | None = None) -> None:
+        self.cancel_reason = reason or self.cancel_reason
+        self.cancelled.set()
+
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
@@ -98,17 +115,7 @@ class JobRunner:
         self.trainer = await asyncio.to_thread(
             DataParallelTrainer,
             self.config.model.source,
-            TrainerConfig(
-                learning_rate=t.learning_rate,
-                weight_decay=t.weight_decay,
-                max_grad_norm=t.max_grad_norm,
-                clip_eps=t.clip_eps,
-                kl_coef=t.kl_coef,
-                temperature=max(self.config.sampling.temperature, 1e-6),
-                tokens_per_micro_batch=t.tokens_per_micro_batch,
-                minibatches=t.minibatches,
-                seed=t.seed,
-            ),
+            TrainerConfig.for_job(self.config),
             self.devices,
             reference_on_trainer=t.kl_coef > 0
             and self.config.topology.reference in ("trainer", "dedicated"),
@@ -182,7 +189,7 @@ class JobRunner:
                 )
                 for sample in range(t.group_size)
             )
-        await self.bus.publish_all(work)
+        await self.transport.publish_work(work)
         self.issued = step
 
     async def _gather(self, step: int) -> list[Trajectory]:
@@ -209,18 +216,20 @@ class JobRunner:
     async def _train(self, step: int, trajectories: list[Trajectory], wait_s: float) -> None:
         assert self.trainer is not None
         ok = [t for t in trajectories if t.status == "ok"]
-        rewards = [t.reward for t in ok]
+        rewards = [t.reward for t in ok if t.reward is not None]
+        reward_mean = statistics.fmean(rewards) if rewards else None
+        reward_std = statistics.pstdev(rewards) if rewards else None
         await self._event(
             JobEventType.ROLLOUT_BATCH,
             f"step {step}: {len(ok)} of {len(trajectories)} rollouts ok",
-            {
-                "step": step,
-                "count": len(trajectories),
-                "failed": len(trajectories) - len(ok),
-                "reward_mean": statistics.fmean(rewards) if rewards else None,
-                "reward_std": statistics.pstdev(rewards) if rewards else None,
-                "failures": sorted({t.failure.kind for t in trajectories if t.failure}),
-            },
+            RolloutBatchData(
+                step=step,
+                count=len(trajectories),
+                failed=len(trajectories) - len(ok),
+                reward_mean=reward_mean,
+                reward_std=reward_std,
+                failures=sorted({t.failure.kind for t in trajectories if t.failure}),
+            ),
         )
         advantages = group_advantages(ok)
         every_turn = samples_from(ok, advantages)
@@ -237,27 +246,28 @@ class JobRunner:
         self.trained.update(str(t.work_id) for t in trajectories)
         self.step = step + 1
         t = self.config.training
+        shown = f"{reward_mean:.3f}" if reward_mean is not None else "nan"
         await self._event(
             JobEventType.TRAIN_STEP,
-            f"step {self.step}/{t.steps}: reward {statistics.fmean(rewards) if rewards else float('nan'):.3f}, loss {loss:.4f}",
-            {
-                "step": self.step,
-                "total_steps": t.steps,
-                "loss": loss,
-                "reward_mean": statistics.fmean(rewards) if rewards else 0.0,
-                "reward_std": statistics.pstdev(rewards) if rewards else 0.0,
-                "kl": kl,
-                "clip_fraction": clip,
-                "staleness_min": min(staleness, default=0),
-                "staleness_mean": statistics.fmean(staleness) if staleness else 0.0,
-                "staleness_max": max(staleness, default=0),
-                "tokens_per_s": tokens / compute_s if compute_s > 0 else 0.0,
-                "wait_s": wait_s,
-                "compute_s": compute_s,
-                "trained_samples": len(samples),
-                "world_size": self.trainer.world,
-                "failed_rollouts": len(trajectories) - len(ok),
-            },
+            f"step {self.step}/{t.steps}: reward {shown}, loss {loss:.4f}",
+            TrainStepData(
+                step=self.step,
+                total_steps=t.steps,
+                loss=loss,
+                reward_mean=reward_mean or 0.0,
+                reward_std=reward_std or 0.0,
+                kl=kl,
+                clip_fraction=clip,
+                staleness_min=min(staleness, default=0),
+                staleness_mean=statistics.fmean(staleness) if staleness else 0.0,
+                staleness_max=max(staleness, default=0),
+                tokens_per_s=tokens / compute_s if compute_s > 0 else 0.0,
+                wait_s=wait_s,
+                compute_s=compute_s,
+                trained_samples=len(samples),
+                world_size=self.trainer.world,
+                failed_rollouts=len(trajectories) - len(ok),
+            ),
         )
 
     # -- weights and checkpoints ------------------------------------------------------------
@@ -280,7 +290,7 @@ class JobRunner:
         probe = ParityProbe(
             token_ids=probe_ids, logprobs=await asyncio.to_thread(self.trainer.score, probe_ids)
         )
-        await self.bus.publish(
+        await self.transport.publish_weights(
             WeightVersion(
                 job_id=self.job_id,
                 org_id=self.org_id,
@@ -297,12 +307,12 @@ class JobRunner:
         await self._event(
             JobEventType.WEIGHTS_PUBLISHED,
             f"weights v{version} after step {self.step}",
-            {"version": version, "step": self.step, "uri": path.as_uri(), "sha256": digest},
+            WeightsPublishedData(version=version, step=self.step, uri=path.as_uri(), sha256=digest),
         )
 
     def _probe_ids(self) -> list[int]:
-        tokenizer = self.trainer.tokenizer
-        ids = tokenizer("The parity probe: 0123456789 abcdefghij")["input_ids"]
+        assert self.trainer is not None
+        ids = self.trainer.tokenizer("The parity probe: 0123456789 abcdefghij")["input_ids"]
         return list(ids[:32]) if len(ids) >= 2 else [0, 1]
 
     async def _checkpoint(self, final: bool) -> None:
@@ -321,7 +331,7 @@ class JobRunner:
         await self._event(
             JobEventType.CHECKPOINT_SAVED,
             f"checkpoint at step {self.step}",
-            {"step": self.step, "uri": path.as_uri(), "final": final},
+            CheckpointSavedData(step=self.step, uri=path.as_uri(), final=final),
         )
 
     async def _resume(self) -> bool:
@@ -344,14 +354,7 @@ class JobRunner:
         log.info("job %s resumes from %s (step %d)", self.job_id, checkpoints[-1].name, self.step)
         return True
 
-    async def _event(self, kind: JobEventType, message: str, data: dict | None = None) -> None:
-        await self.bus.publish(
-            JobEvent(
-                job_id=self.job_id,
-                org_id=self.org_id,
-                type=kind,
-                source="learner",
-                message=message,
-                data=data or {},
-            )
+    async def _event(self, kind: JobEventType, message: str, data: EventData | None = None) -> None:
+        await self.transport.publish_event(
+            JobEvent.of(self.job_id, self.org_id, self.source, kind, message, data)
         )
