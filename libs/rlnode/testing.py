@@ -161,8 +161,11 @@ def processes_with(marker: str) -> list[int]:
     return found
 
 
-def free_port_block(offsets: tuple[int, ...] = (0, 10, 20, 30, 40)) -> int:
-    """A base port such that base + each offset is free on loopback now."""
+def free_port_block() -> int:
+    """A base port such that every service's port in a node's block is free on loopback now."""
+    from rlnode.service.registry import SERVICES, port_offset
+
+    offsets = [port_offset(spec) for spec in SERVICES]
     import random
 
     for _ in range(200):

@@ -79,6 +79,25 @@ def test_every_service_runs_its_entry_point_with_known_settings(spec, name) -> N
     assert "healthcheck" in service
 
 
+@pytest.mark.parametrize(
+    ("spec", "name"),
+    [(spec, name) for spec in SERVICES for name in _instances(spec)],
+    ids=[name for spec in SERVICES for name in _instances(spec)],
+)
+def test_ports_health_checks_and_urls_are_the_registry_s(spec, name) -> None:
+    """The service registry is the one place ports live; compose.yaml must agree with it."""
+    service = COMPOSE["services"][name]
+    assert int(service["environment"][f"{spec.env_prefix}PORT"]) == spec.port
+    (probe,) = [part for part in service["healthcheck"]["test"] if "urlopen" in part]
+    assert f"'http://127.0.0.1:{spec.port}{spec.health_path}'" in probe
+    for published in service.get("ports", []):
+        assert published == f"127.0.0.1:{spec.port}:{spec.port}"
+    for key, value in service["environment"].items():
+        for other in SERVICES:
+            if key == f"{spec.env_prefix}{other.env_prefix.removesuffix('_')}_URL":
+                assert value == other.url_in(other.name), (name, key)
+
+
 def test_gpu_services_are_the_default_8_gpu_plan() -> None:
     """compose.yaml and `rlnode plan --gpus 8 --emit compose` say the same thing."""
     for name, wanted in compose_gpu_services(make_plan(8)).items():

@@ -18,24 +18,47 @@ class KafkaSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KAFKA_", extra="ignore")
 
-    bootstrap_servers: str = "127.0.0.1:9092"
-    client_id_prefix: str = "rlnode"
+    bootstrap_servers: str = Field(
+        "127.0.0.1:9092",
+        description="The broker (host:port[,host:port]). `rlnode up`, `demo` and `doctor` start "
+        "an embedded one when it is not set.",
+    )
+    client_id_prefix: str = Field("rlnode", description="Prefix of every client id.")
     partitions: int = Field(3, ge=1, le=1024, description="Partitions per topic on creation.")
-    replication_factor: int = Field(1, ge=1)
-    compression: Literal["zstd", "gzip", "none"] = "zstd"
-    max_message_bytes: int = Field(DEFAULT_MAX_MESSAGE_BYTES, ge=1024 * 1024)
-    linger_ms: int = Field(5, ge=0, le=1000)
-    request_timeout_ms: int = Field(40_000, ge=1000)
+    replication_factor: int = Field(1, ge=1, description="Replicas per topic on creation.")
+    compression: Literal["zstd", "gzip", "none"] = Field(
+        "zstd", description="Producer compression: zstd, gzip or none."
+    )
+    max_message_bytes: int = Field(
+        DEFAULT_MAX_MESSAGE_BYTES,
+        ge=1024 * 1024,
+        description="Largest record after compression (the topics' max.message.bytes); "
+        "before compression 4x that.",
+    )
+    linger_ms: int = Field(5, ge=0, le=1000, description="How long the producer batches.")
+    request_timeout_ms: int = Field(
+        40_000, ge=1000, description="How long a request to the broker may take."
+    )
     # A consumer group's first join waits for stragglers (Tansu: half the session timeout,
     # Kafka: group.initial.rebalance.delay.ms); tests shorten it, production keeps it.
-    session_timeout_ms: int = Field(10_000, ge=1000)
+    session_timeout_ms: int = Field(
+        10_000, ge=1000, description="A group member silent this long is dropped."
+    )
     # How long a fetch may wait for data. Kafka answers as soon as a record arrives; Tansu
     # holds the fetch (measured: ~125 ms per hop at aiokafka's 500 ms, ~25 at 100, ~10 at
     # 20), and a job step crosses the broker three times. Lower costs idle polling: a whole
     # idle node used 5% of a core at 500 ms, 22% at 50, 45% at 20, and a max_async=1 job on
     # 2 cores was no faster at 50 (bench/overhead.py): aiokafka's 500 stays the default.
-    fetch_max_wait_ms: int = Field(500, ge=1, le=10_000)
-    heartbeat_interval_ms: int = Field(3_000, ge=100)
+    fetch_max_wait_ms: int = Field(
+        500,
+        ge=1,
+        le=10_000,
+        description="Longest a fetch waits for data (Kafka answers early anyway; the "
+        "embedded broker waits it out, so it is the latency of every hop).",
+    )
+    heartbeat_interval_ms: int = Field(
+        3_000, ge=100, description="Group heartbeats; at most a third of the session timeout."
+    )
 
     @field_validator("bootstrap_servers")
     @classmethod

@@ -21,6 +21,7 @@ from rlnode.messages import JobEvent, JobEventType, ends_the_job
 from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.sdk.jobs import JobsClient, load_config, new_job_id
 from rlnode.service.auth import AuthError, read_unverified
+from rlnode.service.registry import CHECKPOINT_SERVER
 
 QUIET = {JobEventType.WEIGHTS_PUBLISHED, JobEventType.WEIGHTS_LOADED, JobEventType.ROLLOUT_BATCH}
 
@@ -313,7 +314,7 @@ def register(commands: argparse._SubParsersAction) -> None:
     server.add_argument(
         "--checkpoint-url",
         default=None,
-        help="default: RLNODE_CHECKPOINT_URL or http://127.0.0.1:8750",
+        help=f"default: {CHECKPOINT_SERVER.client_url_env} or {CHECKPOINT_SERVER.default_url}",
     )
     job = commands.add_parser("job", help="start, watch, list and cancel training jobs")
     sub = job.add_subparsers(dest="job_command", required=True, metavar="ACTION")

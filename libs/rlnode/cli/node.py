@@ -22,6 +22,7 @@ from rlnode.bus import ensure_topics
 from rlnode.bus.localbroker import LocalBroker
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import topics
+from rlnode.service.registry import PORT_BASE, SERVICES, port_offset
 from rlnode.service.settings import NodeSettings
 
 
@@ -214,7 +215,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         "up", help="run the node in the foreground until rlnode down or Ctrl-C"
     )
     _topology_arguments(up)
-    up.add_argument("--port-base", type=int, default=8710, help="vault +0, gateway +10, ... (8710)")
+    offsets = ", ".join(f"{s.name} +{port_offset(s)}" for s in SERVICES)
+    up.add_argument(
+        "--port-base", type=int, default=PORT_BASE, help=f"{offsets} (default {PORT_BASE})"
+    )
     up.set_defaults(run=_up)
     commands.add_parser("status", help="the node's services: health, pid, restarts").set_defaults(
         run=_status

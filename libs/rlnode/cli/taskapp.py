@@ -1,5 +1,5 @@
 """`rlnode taskapp register|list|verify|logs|rm`: Task Apps of your org, through the gateway
-(RLNODE_GATEWAY_URL, default http://127.0.0.1:8720; token RLNODE_TOKEN)."""
+(RLNODE_GATEWAY_URL, default the local node's; token RLNODE_TOKEN)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import argparse
 import os
 
 from rlnode.sdk.gateway import GatewayClient, GatewayError
+from rlnode.service.registry import GATEWAY
 
 
 def _client(args: argparse.Namespace) -> GatewayClient:
@@ -80,7 +81,9 @@ def _remove(args: argparse.Namespace) -> int:
 def register(commands: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--gateway-url", default=None, help="default: RLNODE_GATEWAY_URL or http://127.0.0.1:8720"
+        "--gateway-url",
+        default=None,
+        help=f"default: {GATEWAY.client_url_env} or {GATEWAY.default_url}",
     )
     common.add_argument("--org", default=None, help="default: the org of RLNODE_TOKEN")
 

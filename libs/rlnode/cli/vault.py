@@ -1,6 +1,6 @@
 """`rlnode vault|org|token|secrets`: the credential-vault from the command line.
 
-The vault is RLNODE_VAULT_URL (default http://127.0.0.1:8710); the caller's token is
+The vault is RLNODE_VAULT_URL (default the local node's); the caller's token is
 RLNODE_TOKEN, or for admin commands RLNODE_ADMIN_TOKEN. Tokens are printed once, to stdout.
 """
 
@@ -16,6 +16,7 @@ from nacl.utils import random as random_bytes
 
 from rlnode.sdk.vault import VaultClient, VaultError
 from rlnode.service.auth import ORG_SCOPES, SERVICE_SCOPES
+from rlnode.service.registry import VAULT
 
 
 def _client(args: argparse.Namespace, *, admin: bool = False) -> VaultClient:
@@ -117,7 +118,7 @@ def _rotate(args: argparse.Namespace) -> int:
 def register(commands: argparse._SubParsersAction) -> None:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(
-        "--vault-url", default=None, help="default: RLNODE_VAULT_URL or http://127.0.0.1:8710"
+        "--vault-url", default=None, help=f"default: {VAULT.client_url_env} or {VAULT.default_url}"
     )
     common.add_argument("--org", default=None, help="default: the org of RLNODE_TOKEN")
 

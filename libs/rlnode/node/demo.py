@@ -18,6 +18,7 @@ from rlnode.models.tiny import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.sdk.jobs import JobError, JobsClient, new_job_id
+from rlnode.service.registry import CHECKPOINT_SERVER
 from rlnode.service.settings import NodeSettings
 
 
@@ -50,7 +51,7 @@ def run_demo(steps: int = 60, data_dir: Path | None = None) -> int:
         say(terminal_curve([r["reward_mean"] for r in rows]))
         png = write_plot(rows, root / f"{job_id}.png", title=f"{job_id} (copy task, tiny model)")
         say(f"     plot: {png}")
-        with CheckpointClient(node.url("checkpoint-server"), org.token) as server:
+        with CheckpointClient(node.url(CHECKPOINT_SERVER.name), org.token) as server:
             question = "Copy: cab"
             answer = server.chat(f"{job_id}@latest", question, max_tokens=6, temperature=0)
             say(

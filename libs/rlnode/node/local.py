@@ -20,11 +20,20 @@ from rlnode.bus import ensure_topics
 from rlnode.bus.localbroker import LocalBroker, free_port
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
-from rlnode.node.plan import GpuPlan
+from rlnode.node.plan import GpuPlan, engine_settings, learner_settings, serving_settings
 from rlnode.node.processes import ServiceProcess, ensure_local_credentials
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.vault import VaultClient
-from rlnode.service.registry import SERVICES_BY_NAME
+from rlnode.service.registry import (
+    CHECKPOINT_SERVER,
+    GATEWAY,
+    GENERATOR,
+    LEARNER,
+    SERVICES,
+    VAULT,
+    ServiceSpec,
+    port_offset,
+)
 
 log = logging.getLogger("rlnode.node.local")
 
@@ -39,28 +48,13 @@ class NodeOptions:
     # Tansu delays a group's first join by half the session timeout; 6 s (Kafka's minimum)
     # keeps start-up quick on a local node.
     session_timeout_ms: int = 6000
-    services: tuple[str, ...] = (
-        "credential-vault",
-        "taskapp-gateway",
-        "rollout-generator",
-        "learner",
-        "checkpoint-server",
-    )
-    # Fixed ports from here (vault +0, gateway +10, generators +20.., learner +30,
-    # checkpoint-server +40), so the CLI's defaults reach a node `rlnode up` started;
-    # None: free ports (tests, benchmarks).
+    services: tuple[str, ...] = tuple(spec.name for spec in SERVICES)
+    # Fixed ports from here (each service at its offset in the registry: vault +0, gateway
+    # +10, generators +20.., learner +30, checkpoint-server +40), so the CLI's defaults reach
+    # a node `rlnode up` started; None: free ports (tests, benchmarks).
     port_base: int | None = None
     # The GPU plan; None: everything on the CPU.
     plan: GpuPlan | None = None
-
-
-PORT_OFFSETS = {
-    "credential-vault": 0,
-    "taskapp-gateway": 10,
-    "rollout-generator": 20,
-    "learner": 30,
-    "checkpoint-server": 40,
-}
 
 
 class PortInUse(RuntimeError):
@@ -72,26 +66,13 @@ def plan_env(plan: GpuPlan | None) -> tuple[list[dict[str, str]], dict[str, str]
     the checkpoint-server's. CUDA_VISIBLE_DEVICES confines each process to its GPUs."""
     if plan is None or plan.cpu_only:
         return [{}], {}, {}
-    generators = [
-        {
-            "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)),
-            "GENERATOR_ENGINE": "vllm",
-            "GENERATOR_DEVICE": "cuda",
-            "GENERATOR_TENSOR_PARALLEL": str(len(gpus)),
-            "GENERATOR_REFERENCE_ON_INFERENCE": str(plan.reference == "inference").lower(),
-        }
-        for gpus in plan.engines
-    ]
-    learner = {
-        "CUDA_VISIBLE_DEVICES": ",".join(map(str, plan.training)),
-        "LEARNER_DEVICES": plan.learner_devices(),
-        "LEARNER_VISIBLE_GPUS": str(plan.visible),
-    }
-    # Serving shares the last training GPU: inference on checkpoints mostly follows training.
-    serving = {
-        "CUDA_VISIBLE_DEVICES": str(plan.training[-1]),
-        "CHECKPOINT_SERVER_DEVICE": "cuda",
-    }
+
+    def visible(gpus: list[int]) -> dict[str, str]:
+        return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+
+    generators = [visible(gpus) | engine_settings(plan, gpus) for gpus in plan.engines]
+    learner = visible(plan.training) | learner_settings(plan)
+    serving = visible(plan.training[-1:]) | serving_settings(plan)
     return generators, learner, serving
 
 
@@ -133,87 +114,72 @@ class LocalNode:
         credentials = ensure_local_credentials(self.data_dir)
         self.admin_token = credentials.admin_token
         wanted = self.options.services
-        vault = self._service("credential-vault", credentials.vault_env())
-        if "taskapp-gateway" in wanted:
-            self._service(
-                "taskapp-gateway",
-                {
-                    "GATEWAY_VAULT_URL": vault.url,
-                    "GATEWAY_SERVICE_TOKEN": self.service_token(
-                        ["secrets:unseal"], "taskapp-gateway"
-                    ),
-                },
-            )
-        gateway_url = self.url("taskapp-gateway") if "taskapp-gateway" in wanted else ""
+        vault = self._service(VAULT, {}, credentials.vault_env())
+        vault_url = {"VAULT_URL": vault.url}
+        if GATEWAY.name in wanted:
+            self._service(GATEWAY, vault_url | self._token_env(GATEWAY))
+        gateway_url = {"GATEWAY_URL": self.url(GATEWAY.name) if GATEWAY.name in wanted else ""}
         generator_env, learner_env, serving_env = plan_env(self.options.plan)
         if self.options.plan is None or self.options.plan.cpu_only:
             generator_env = generator_env * self.options.generators
-        if "rollout-generator" in wanted:
-            token = self.service_token(["rollouts:run"], "rollout-generator")
+        if GENERATOR.name in wanted:
+            token = self._token_env(GENERATOR)
             for index, env in enumerate(generator_env):
                 name = f"gen{index}"
-                self._service(
-                    "rollout-generator",
-                    {
-                        "GENERATOR_GATEWAY_URL": gateway_url,
-                        "GENERATOR_SERVICE_TOKEN": token,
-                        "GENERATOR_GENERATOR_ID": name,
-                        **env,
-                    },
-                    instance=name,
-                    index=index,
-                )
-        if "learner" in wanted:
-            self._service(
-                "learner",
-                {
-                    "LEARNER_VAULT_URL": vault.url,
-                    "LEARNER_GATEWAY_URL": gateway_url,
-                    "LEARNER_SERVICE_TOKEN": self.service_token(
-                        ["taskapps:read", "secrets:read"], "learner"
-                    ),
-                    **learner_env,
-                },
-            )
-        if "checkpoint-server" in wanted:
-            self._service(
-                "checkpoint-server", {"CHECKPOINT_SERVER_VAULT_URL": vault.url, **serving_env}
-            )
+                own = gateway_url | token | {"GENERATOR_ID": name}
+                self._service(GENERATOR, own, env, instance=name, index=index)
+        if LEARNER.name in wanted:
+            self._service(LEARNER, vault_url | gateway_url | self._token_env(LEARNER), learner_env)
+        if CHECKPOINT_SERVER.name in wanted:
+            self._service(CHECKPOINT_SERVER, vault_url, serving_env)
         for process in self.processes.values():
             process.wait_healthy(timeout_s=60)
 
-    def _port(self, name: str, index: int) -> int:
+    def _token_env(self, spec: ServiceSpec) -> dict[str, str]:
+        """SERVICE_TOKEN: a node-wide token with the scopes the registry gives the service."""
+        return {"SERVICE_TOKEN": self.service_token(list(spec.token_scopes), spec.name)}
+
+    def _port(self, spec: ServiceSpec, index: int) -> int:
         if self.options.port_base is None:
             return free_port()
-        port = self.options.port_base + PORT_OFFSETS[name] + index
+        port = self.options.port_base + port_offset(spec) + index
         with socket.socket() as probe:
             try:
                 probe.bind(("127.0.0.1", port))
             except OSError:
                 raise PortInUse(
-                    f"port {port} ({name}) is in use: is a node up already (rlnode status)? "
+                    f"port {port} ({spec.name}) is in use: is a node up already (rlnode status)? "
                     "Stop it with rlnode down, or pick other ports with --port-base"
                 ) from None
         return port
 
-    def _service(self, name: str, env: dict[str, str], instance: str | None = None, index: int = 0):
-        spec = SERVICES_BY_NAME[name]
-        key = f"{name}/{instance}" if instance else name
+    def _service(
+        self,
+        spec: ServiceSpec,
+        own: dict[str, str],
+        env: dict[str, str] | None = None,
+        instance: str | None = None,
+        index: int = 0,
+    ) -> ServiceProcess:
+        """Start a service with its own settings `own` (names without its prefix) and the
+        process environment `env`."""
+        key = f"{spec.name}/{instance}" if instance else spec.name
         process = ServiceProcess(
             spec,
-            self._port(name, index),
+            self._port(spec, index),
             self.data_dir / "logs" / f"{key.replace('/', '-')}.log",
             env={
                 "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap,
                 "KAFKA_SESSION_TIMEOUT_MS": str(self.options.session_timeout_ms),
                 "KAFKA_HEARTBEAT_INTERVAL_MS": str(self.options.session_timeout_ms // 3),
                 "RLNODE_DATA_DIR": str(self.data_dir),
-                **env,
-                **self.options.env.get(name, {}),
+                **{f"{spec.env_prefix}{name}": value for name, value in own.items()},
+                **(env or {}),
+                **self.options.env.get(spec.name, {}),
             },
         ).start()
         self.processes[key] = process
-        if name == "credential-vault":
+        if spec is VAULT:
             process.wait_healthy(timeout_s=60)  # the others need tokens from it
         return process
 
@@ -259,6 +225,7 @@ class LocalNode:
             "services": {
                 key: {
                     "url": p.url,
+                    "health": p.health_url,
                     "pid": p.proc.pid if p.proc else None,
                     "running": bool(p.proc and p.proc.poll() is None),
                     "restarts": self.restarts.get(key, 0),
@@ -298,7 +265,7 @@ class LocalNode:
         return self.processes[key].url
 
     def admin(self) -> VaultClient:
-        return VaultClient(self.url("credential-vault"), self.admin_token)
+        return VaultClient(self.url(VAULT.name), self.admin_token)
 
     def service_token(self, scopes: list[str], service: str) -> str:
         with self.admin() as admin:
@@ -310,7 +277,7 @@ class LocalNode:
         """An org with its admin token, and secrets sealed (on this side) and uploaded."""
         with self.admin() as admin:
             token = admin.create_org(org_id)["token"]["token"]
-        with VaultClient(self.url("credential-vault"), token) as org:
+        with VaultClient(self.url(VAULT.name), token) as org:
             for name, value in (secrets or {}).items():
                 org.set_secret(name, value)
         return Org(org_id, token)
@@ -318,6 +285,6 @@ class LocalNode:
     def register_example_task_app(self, org: Org, name: str, example: str) -> dict:
         """Register one of rlnode's example Task Apps as a managed Task App and verify it."""
         path = task_app_path(example)
-        with GatewayClient(self.url("taskapp-gateway"), org.token) as gateway:
+        with GatewayClient(self.url(GATEWAY.name), org.token) as gateway:
             gateway.register(name, command=[sys.executable, str(path)])
             return gateway.verify(name)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from rlnode.messages.config import TopologySpec
+from rlnode.service.registry import CHECKPOINT_SERVER, GENERATOR, LEARNER
 
 Placement = Literal["inference", "trainer", "dedicated", "none"]
 
@@ -214,6 +215,30 @@ def plan_table(plan: GpuPlan) -> str:
 BASE_COMPOSE_GENERATORS = 6  # compose.yaml carries the default 8-GPU plan: six engines
 
 
+def engine_settings(plan: GpuPlan, gpus: list[int]) -> dict[str, str]:
+    """The settings of a rollout-generator whose engine runs on `gpus` (the same whether the
+    node starts it as a process or compose as a container)."""
+    prefix = GENERATOR.env_prefix
+    return {
+        f"{prefix}ENGINE": "vllm",
+        f"{prefix}DEVICE": "cuda",
+        f"{prefix}TENSOR_PARALLEL": str(len(gpus)),
+        f"{prefix}REFERENCE_ON_INFERENCE": str(plan.reference == "inference").lower(),
+    }
+
+
+def learner_settings(plan: GpuPlan) -> dict[str, str]:
+    return {
+        f"{LEARNER.env_prefix}DEVICES": plan.learner_devices(),
+        f"{LEARNER.env_prefix}VISIBLE_GPUS": str(plan.visible),
+    }
+
+
+def serving_settings(_plan: GpuPlan) -> dict[str, str]:
+    # Serving shares the last training GPU: inference on checkpoints mostly follows training.
+    return {f"{CHECKPOINT_SERVER.env_prefix}DEVICE": "cuda"}
+
+
 def compose_gpu_services(plan: GpuPlan) -> dict[str, dict]:
     """The GPU-bearing services of compose.yaml for this plan: one rollout-generator per
     engine, the learner, the checkpoint-server; each with its device reservation and the
@@ -236,29 +261,23 @@ def compose_gpu_services(plan: GpuPlan) -> dict[str, dict]:
 
     services: dict[str, dict] = {}
     for index, engine in enumerate(plan.engines):
-        name = f"rollout-generator-{index}"
+        name = f"{GENERATOR.name}-{index}"
         services[name] = {
             "environment": {
-                "GENERATOR_GENERATOR_ID": f"gen{index}",
-                "GENERATOR_PUBLIC_URL": f"http://{name}:8730",
-                "GENERATOR_ENGINE": "vllm",
-                "GENERATOR_DEVICE": "cuda",
-                "GENERATOR_TENSOR_PARALLEL": str(len(engine)),
-                "GENERATOR_REFERENCE_ON_INFERENCE": str(plan.reference == "inference").lower(),
+                f"{GENERATOR.env_prefix}GENERATOR_ID": f"gen{index}",
+                f"{GENERATOR.env_prefix}PUBLIC_URL": GENERATOR.url_in(name),
+                **engine_settings(plan, engine),
             },
             "deploy": gpus(engine),
         }
     for index in range(len(plan.engines), BASE_COMPOSE_GENERATORS):
-        services[f"rollout-generator-{index}"] = {"deploy": {"replicas": 0}}
-    services["learner"] = {
-        "environment": {
-            "LEARNER_DEVICES": plan.learner_devices(),
-            "LEARNER_VISIBLE_GPUS": str(plan.visible),
-        },
+        services[f"{GENERATOR.name}-{index}"] = {"deploy": {"replicas": 0}}
+    services[LEARNER.name] = {
+        "environment": learner_settings(plan),
         "deploy": gpus(plan.training),
     }
-    services["checkpoint-server"] = {
-        "environment": {"CHECKPOINT_SERVER_DEVICE": "cuda"},
+    services[CHECKPOINT_SERVER.name] = {
+        "environment": serving_settings(plan),
         "deploy": gpus(plan.training[-1:]),
     }
     return services

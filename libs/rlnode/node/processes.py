@@ -86,6 +86,10 @@ class ServiceProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
+    @property
+    def health_url(self) -> str:
+        return self.url + self.spec.health_path
+
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
@@ -114,7 +118,7 @@ class ServiceProcess:
                     f"healthy; its log ({self.log_path}):\n{self.log_tail()}"
                 )
             try:
-                response = httpx.get(f"{self.url}/health", timeout=1.0)
+                response = httpx.get(self.health_url, timeout=1.0)
                 if response.status_code == 200:
                     return response.json()
             except httpx.TransportError:

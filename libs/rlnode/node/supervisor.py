@@ -21,6 +21,7 @@ from rlnode.bus.settings import KafkaSettings
 from rlnode.messages.config import TopologySpec
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.node.plan import make_plan, plan_table
+from rlnode.service.registry import PORT_BASE
 from rlnode.service.settings import NodeSettings
 
 log = logging.getLogger("rlnode.node.supervisor")
@@ -42,7 +43,7 @@ def _say(out: TextIO, text: str) -> None:
 
 def run_up(
     gpus: int,
-    port_base: int = 8710,
+    port_base: int = PORT_BASE,
     data_dir: Path | None = None,
     out: TextIO = sys.stdout,
     topology: TopologySpec | None = None,
@@ -131,12 +132,12 @@ def read_state(data_dir: Path | None = None) -> dict:
 
 
 def status(data_dir: Path | None = None) -> list[dict]:
-    """Each service with its health as its /health says now."""
+    """Each service with its health as its health route says now."""
     state = read_state(data_dir)
     rows = []
     for key, service in state["services"].items():
         try:
-            health = httpx.get(f"{service['url']}/health", timeout=2.0)
+            health = httpx.get(service["health"], timeout=2.0)
             healthy = health.status_code == 200
         except httpx.TransportError:
             healthy = False

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from rlnode.sdk.http import ApiClient, ApiError
+from rlnode.service.registry import CHECKPOINT_SERVER
 
 
 class CheckpointError(ApiError):
@@ -17,8 +18,7 @@ class CheckpointError(ApiError):
 
 class CheckpointClient(ApiClient):
     error = CheckpointError
-    url_env = "RLNODE_CHECKPOINT_URL"
-    default_url = "http://127.0.0.1:8750"
+    spec = CHECKPOINT_SERVER
 
     def __init__(
         self, url: str | None = None, token: str | None = None, *, timeout_s: float = 300.0

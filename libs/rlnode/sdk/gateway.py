@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from rlnode.sdk.http import ApiClient, ApiError
+from rlnode.service.registry import GATEWAY
 
 
 class GatewayError(ApiError):
@@ -12,8 +13,7 @@ class GatewayError(ApiError):
 
 class GatewayClient(ApiClient):
     error = GatewayError
-    url_env = "RLNODE_GATEWAY_URL"
-    default_url = "http://127.0.0.1:8720"
+    spec = GATEWAY
 
     def __init__(
         self, url: str | None = None, token: str | None = None, *, timeout_s: float = 330.0

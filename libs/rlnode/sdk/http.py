@@ -9,6 +9,7 @@ from typing import Any, ClassVar
 import httpx
 
 from rlnode.service.auth import AuthError, read_unverified
+from rlnode.service.registry import ServiceSpec
 
 
 class ApiError(RuntimeError):
@@ -24,8 +25,11 @@ class ApiError(RuntimeError):
 
 class ApiClient:
     error: ClassVar[type[ApiError]] = ApiError
-    url_env: ClassVar[str]
-    default_url: ClassVar[str]
+    spec: ClassVar[ServiceSpec]  # the service it talks to: its URL variable and default URL
+
+    @property
+    def url_env(self) -> str:
+        return self.spec.client_url_env or f"{self.spec.env_prefix}URL"
 
     def __init__(
         self,
@@ -35,7 +39,7 @@ class ApiClient:
         timeout_s: float = 10.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.url = (url or os.environ.get(self.url_env) or self.default_url).rstrip("/")
+        self.url = (url or os.environ.get(self.url_env) or self.spec.default_url).rstrip("/")
         self.token = token
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
 

@@ -9,6 +9,7 @@ from typing import Any
 from nacl.public import PrivateKey
 
 from rlnode.sdk.http import ApiClient, ApiError
+from rlnode.service.registry import VAULT
 from rlnode.service.sealing import (
     SEALED_BOX_ALG,
     b64decode_strict,
@@ -25,8 +26,7 @@ class VaultError(ApiError):
 
 class VaultClient(ApiClient):
     error = VaultError
-    url_env = "RLNODE_VAULT_URL"
-    default_url = "http://127.0.0.1:8710"
+    spec = VAULT
 
     # -- orgs, keys, tokens ----------------------------------------------------------
 

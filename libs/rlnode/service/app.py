@@ -16,11 +16,10 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 
 from rlnode import __version__
+from rlnode.service.registry import ServiceSpec
 from rlnode.service.settings import ServiceSettings
 
 S = TypeVar("S", bound=ServiceSettings)
-
-LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
 class StartupError(RuntimeError):
@@ -34,17 +33,20 @@ def configure_logging(service: str, level: str) -> None:
     )
 
 
-def create_service_app(service: str, settings: ServiceSettings, **fastapi_args: Any) -> FastAPI:
-    """The app a service builds its routes on. `GET /health` answers while the process
+def create_service_app(
+    spec: ServiceSpec, settings: ServiceSettings, **fastapi_args: Any
+) -> FastAPI:
+    """The app a service builds its routes on. Its health route answers while the process
     serves; services add their own checks to `app.state.health_checks` (name -> callable
     returning True when healthy)."""
+    service = spec.name
     app = FastAPI(title=f"rlnode {service}", version=__version__, **fastapi_args)
     app.state.settings = settings
     app.state.service = service
     app.state.started_at = time.monotonic()
     app.state.health_checks: dict[str, Callable[[], bool]] = {}
 
-    @app.get("/health", tags=["ops"], summary="Liveness and readiness of this service")
+    @app.get(spec.health_path, tags=["ops"], summary="Liveness and readiness of this service")
     async def health() -> dict[str, Any]:
         checks = {name: bool(check()) for name, check in app.state.health_checks.items()}
         return {
@@ -68,8 +70,9 @@ class _GracefulServer(uvicorn.Server):
         self._captured_signals.clear()
 
 
-def serve(service: str, settings_type: type[S], app_factory: Callable[[S], FastAPI]) -> int:
+def serve(spec: ServiceSpec, settings_type: type[S], app_factory: Callable[[S], FastAPI]) -> int:
     """Entry point body of a service: read settings, build the app, serve until signalled."""
+    service = spec.name
     try:
         settings = settings_type()
     except ValidationError as e:

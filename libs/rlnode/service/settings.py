@@ -1,7 +1,8 @@
 """Settings shared by every service, read from the environment (pydantic-settings).
 
-Names without a prefix are the node-wide ones from DESIGN.md (KAFKA_BOOTSTRAP_SERVERS,
-DATABASE_URL, RLNODE_DATA_DIR); each service adds its own prefixed settings.
+Names without a prefix are node-wide (KAFKA_*, DATABASE_URL, RLNODE_DATA_DIR); each service
+adds its own, prefixed as the service registry declares (VAULT_, GATEWAY_, ...). Every field
+says what it means: the READMEs' settings tables are generated from these descriptions.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlnode.bus.settings import KafkaSettings
+from rlnode.service.registry import LOOPBACK
 
 
 def default_data_dir() -> Path:
@@ -22,7 +24,11 @@ def default_data_dir() -> Path:
 class NodeSettings(BaseSettings):
     model_config = SettingsConfigDict(extra="ignore")
 
-    data_dir: Path = Field(default_factory=default_data_dir, validation_alias="RLNODE_DATA_DIR")
+    data_dir: Path = Field(
+        default_factory=default_data_dir,
+        validation_alias="RLNODE_DATA_DIR",
+        description="Databases, logs, secrets and the checkpoint store (default ~/.rlnode).",
+    )
 
     @property
     def checkpoint_dir(self) -> Path:
@@ -34,8 +40,14 @@ class DatabaseSettings(BaseSettings):
 
     model_config = SettingsConfigDict(extra="ignore")
 
-    database_url: str | None = Field(None, validation_alias="DATABASE_URL")
-    echo_sql: bool = Field(False, validation_alias="RLNODE_ECHO_SQL")
+    database_url: str | None = Field(
+        None,
+        validation_alias="DATABASE_URL",
+        description="postgresql://... in production; unset: SQLite under $RLNODE_DATA_DIR/db/.",
+    )
+    echo_sql: bool = Field(
+        False, validation_alias="RLNODE_ECHO_SQL", description="Log every SQL statement."
+    )
 
     def url_for(self, service: str, node: NodeSettings | None = None) -> str:
         if self.database_url:
@@ -46,18 +58,22 @@ class DatabaseSettings(BaseSettings):
 
 class ServiceSettings(BaseSettings):
     """Base of each service's settings: where it listens and how it logs. Subclasses set
-    `env_prefix` (e.g. VAULT_) and add their own fields."""
+    `env_prefix` and the default port from their registry entry, and add their own fields."""
 
     model_config = SettingsConfigDict(extra="ignore")
 
-    host: str = "127.0.0.1"
-    port: int = Field(ge=0, le=65535)
-    log_level: Literal["debug", "info", "warning", "error"] = "info"
+    host: str = Field(LOOPBACK, description="Address to listen on.")
+    port: int = Field(ge=0, le=65535, description="HTTP port (default: the service's own).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field(
+        "info", description="debug, info, warning or error."
+    )
     # Off by default: a line per request is three per rollout on the hot path (a few percent
     # of the gateway's CPU), and the generator's request paths are per-rollout capability
     # URLs that do not belong in a log file.
-    access_log: bool = False
-    shutdown_grace_s: float = Field(15.0, gt=0)
+    access_log: bool = Field(False, description="A log line per HTTP request.")
+    shutdown_grace_s: float = Field(
+        15.0, gt=0, description="On SIGTERM, how long requests in flight may finish."
+    )
 
     node: NodeSettings = Field(default_factory=NodeSettings)
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)

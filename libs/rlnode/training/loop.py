@@ -33,6 +33,7 @@ from rlnode.messages.jobs import (
     TrainStepData,
     WeightsPublishedData,
 )
+from rlnode.service.registry import LEARNER
 from rlnode.training.distributed import DataParallelTrainer
 from rlnode.training.grpo import group_advantages, samples_from
 from rlnode.training.trainer import TrainerConfig
@@ -66,7 +67,7 @@ class JobRunner:
         devices: list[str],
         step_timeout_s: float,
         on_progress: Callable[[int], None] = lambda _step: None,
-        source: str = "learner",
+        source: str = LEARNER.name,
     ) -> None:
         self.job_id, self.org_id, self.config = job_id, org_id, config
         self.transport = transport

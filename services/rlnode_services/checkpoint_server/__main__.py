@@ -6,11 +6,11 @@ import sys
 
 from rlnode.service.app import serve
 from rlnode_services.checkpoint_server.app import create_app
-from rlnode_services.checkpoint_server.settings import SERVICE_NAME, CheckpointServerSettings
+from rlnode_services.checkpoint_server.settings import SERVICE, CheckpointServerSettings
 
 
 def main() -> int:
-    return serve(SERVICE_NAME, CheckpointServerSettings, create_app)
+    return serve(SERVICE, CheckpointServerSettings, create_app)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,13 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from sqlmodel import Session, col, select
 
 from rlnode.bus import Bus
-from rlnode.engine import EngineError, GenerationRequest, GenerationResult, render_chat
+from rlnode.engine import (
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    cut_at_stop,
+    render_chat,
+)
 from rlnode.messages import topics
 from rlnode.service.app import create_service_app
 from rlnode.service.auth import (
@@ -32,7 +38,6 @@ from rlnode.service.openai_api import (
     CompletionRequest,
     chat_response,
     completion_response,
-    cut_at_stop,
     error_body,
     sse,
     stops,
@@ -41,7 +46,7 @@ from rlnode.service.openai_api import (
 )
 from rlnode_services.checkpoint_server.index import Indexer, local_path, metrics_path
 from rlnode_services.checkpoint_server.models import Checkpoints, ModelCache, ModelProblem
-from rlnode_services.checkpoint_server.settings import SERVICE_NAME, CheckpointServerSettings
+from rlnode_services.checkpoint_server.settings import SERVICE, CheckpointServerSettings
 from rlnode_services.checkpoint_server.store import TABLES, CheckpointRecord, JobSummary
 
 
@@ -60,13 +65,13 @@ def _need(claims: TokenClaims, scope: Scope) -> None:
 
 
 def create_app(settings: CheckpointServerSettings) -> FastAPI:
-    db = engine_for("checkpoint-server", settings.database, settings.node)
+    db = engine_for(SERVICE.name, settings.database, settings.node)
     create_tables(db, *TABLES)
     root = settings.node.checkpoint_dir
     indexer = Indexer(db, root)
     checkpoints = Checkpoints(db, root)
     cache = ModelCache(settings)
-    bus = Bus(settings.kafka, service="checkpoint-server")
+    bus = Bus(settings.kafka, service=SERVICE.name)
     bus.subscribe(topics.JOB_EVENTS, indexer.on_event, group_id=settings.group_id)
     bus.subscribe(topics.WEIGHT_VERSIONS, indexer.on_weights, group_id=settings.group_id)
 
@@ -77,7 +82,7 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
         await bus.stop()
         await cache.close()
 
-    app = create_service_app(SERVICE_NAME, settings, lifespan=lifespan)
+    app = create_service_app(SERVICE, settings, lifespan=lifespan)
     app.state.verifier = VaultTokenVerifier(settings.vault_url)
     install_error_handlers(app)
 

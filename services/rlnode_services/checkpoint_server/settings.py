@@ -8,24 +8,27 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from rlnode.service.registry import CHECKPOINT_SERVER, VAULT
 from rlnode.service.settings import ServiceSettings
 
-SERVICE_NAME = "checkpoint-server"
+SERVICE = CHECKPOINT_SERVER
 
 
 class CheckpointServerSettings(ServiceSettings):
-    model_config = SettingsConfigDict(env_prefix="CHECKPOINT_SERVER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
-    port: int = Field(8750, ge=0, le=65535)
-    vault_url: str = "http://127.0.0.1:8710"
-    group_id: str = "checkpoint-server"
-    device: str = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
+    vault_url: str = Field(VAULT.default_url, description="Where tokens are checked.")
+    group_id: str = Field(SERVICE.name, description="The consumer group of the index.")
+    device: str = Field("cpu", description="Where inference runs: cpu or cuda[:N].")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Loaded checkpoints: auto is bfloat16 on GPUs, float32 on the CPU."
+    )
     cache_bytes: int = Field(
         4 * 1024**3,
         ge=1,
         description="Memory for loaded checkpoints; the least recently used are unloaded.",
     )
     max_tokens: int = Field(4096, ge=1, description="Upper bound on max_tokens per request.")
-    default_max_tokens: int = Field(256, ge=1)
-    max_batch_size: int = Field(32, ge=1)
+    default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request has none.")
+    max_batch_size: int = Field(32, ge=1, description="Requests in one batch.")

@@ -6,11 +6,11 @@ import sys
 
 from rlnode.service.app import serve
 from rlnode_services.credential_vault.app import create_app
-from rlnode_services.credential_vault.settings import SERVICE_NAME, VaultSettings
+from rlnode_services.credential_vault.settings import SERVICE, VaultSettings
 
 
 def main() -> int:
-    return serve(SERVICE_NAME, VaultSettings, create_app)
+    return serve(SERVICE, VaultSettings, create_app)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from rlnode.service.http import BodySizeLimit, install_error_handlers
 from rlnode.service.sealing import public_key_b64
 from rlnode_services.credential_vault import schemas as api
 from rlnode_services.credential_vault.crypto import KeyWrapper, load_master_key
-from rlnode_services.credential_vault.settings import SERVICE_NAME, VaultSettings
+from rlnode_services.credential_vault.settings import SERVICE, VaultSettings
 from rlnode_services.credential_vault.store import AuditRecord, IssuedToken, OrgKey, Secret
 from rlnode_services.credential_vault.vault import Actor, Vault, VaultError
 
@@ -70,12 +70,10 @@ def create_app(settings: VaultSettings) -> FastAPI:
             settings.master_key_file,
         )
     )
-    vault = Vault(
-        engine_for("credential-vault", settings.database, settings.node), wrapper, settings
-    )
+    vault = Vault(engine_for(SERVICE.name, settings.database, settings.node), wrapper, settings)
     vault.initialise()
 
-    app = create_service_app(SERVICE_NAME, settings, responses=ERRORS)
+    app = create_service_app(SERVICE, settings, responses=ERRORS)
     app.state.vault = vault
     install_error_handlers(app)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)

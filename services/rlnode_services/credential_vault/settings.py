@@ -7,29 +7,39 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from rlnode.service.registry import VAULT
 from rlnode.service.settings import ServiceSettings
 
-SERVICE_NAME = "credential-vault"
+SERVICE = VAULT
 DAY_S = 86_400
 
 
 class VaultSettings(ServiceSettings):
-    model_config = SettingsConfigDict(env_prefix="VAULT_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
-    port: int = Field(8710, ge=0, le=65535)
+    port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
 
-    # The key every org private key is wrapped under: 32 random bytes, base64. Exactly one of
-    # these two; `rlnode vault master-key` prints a new one.
-    master_key: SecretStr | None = None
-    master_key_file: Path | None = None
-
-    # Bootstrap admin: creates orgs and service tokens. Without it those routes answer 401.
-    admin_token: SecretStr | None = None
-
-    max_secret_bytes: int = Field(8192, ge=1, le=1024 * 1024)
-    org_token_ttl_s: int = Field(90 * DAY_S, ge=60)
-    service_token_ttl_s: int = Field(30 * DAY_S, ge=60)
-    max_token_ttl_s: int = Field(365 * DAY_S, ge=60)
+    master_key: SecretStr | None = Field(
+        None,
+        description="The key every org private key is wrapped under: 32 random bytes, base64 "
+        "(`rlnode vault master-key` prints one). Exactly one of this and the file.",
+    )
+    master_key_file: Path | None = Field(
+        None, description="A file holding the master key (mode 600 or stricter)."
+    )
+    admin_token: SecretStr | None = Field(
+        None,
+        description="Bootstrap admin (at least 32 characters): creates orgs and service "
+        "tokens. Unset: those routes answer 401.",
+    )
+    max_secret_bytes: int = Field(
+        8192, ge=1, le=1024 * 1024, description="Larger secrets are refused (413)."
+    )
+    org_token_ttl_s: int = Field(90 * DAY_S, ge=60, description="Default life of org tokens.")
+    service_token_ttl_s: int = Field(
+        30 * DAY_S, ge=60, description="Default life of service tokens."
+    )
+    max_token_ttl_s: int = Field(365 * DAY_S, ge=60, description="Longest life a token may ask.")
 
     @field_validator("admin_token")
     @classmethod

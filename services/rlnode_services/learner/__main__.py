@@ -6,11 +6,11 @@ import sys
 
 from rlnode.service.app import serve
 from rlnode_services.learner.app import create_app
-from rlnode_services.learner.settings import SERVICE_NAME, LearnerSettings
+from rlnode_services.learner.settings import SERVICE, LearnerSettings
 
 
 def main() -> int:
-    return serve(SERVICE_NAME, LearnerSettings, create_app)
+    return serve(SERVICE, LearnerSettings, create_app)
 
 
 if __name__ == "__main__":

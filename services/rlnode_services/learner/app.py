@@ -16,13 +16,13 @@ from rlnode.service.auth import VaultTokenVerifier
 from rlnode.service.db import engine_for
 from rlnode_services.learner.intake import JobIntake
 from rlnode_services.learner.jobs import JobManager
-from rlnode_services.learner.settings import SERVICE_NAME, LearnerSettings
+from rlnode_services.learner.settings import SERVICE, LearnerSettings
 from rlnode_services.learner.store import JobRecord
 
 
 def create_app(settings: LearnerSettings) -> FastAPI:
-    bus = Bus(settings.kafka, service="learner")
-    engine = engine_for("learner", settings.database, settings.node)
+    bus = Bus(settings.kafka, service=SERVICE.name)
+    engine = engine_for(SERVICE.name, settings.database, settings.node)
     manager = JobManager(
         settings, bus, engine, JobIntake(settings, VaultTokenVerifier(settings.vault_url))
     )
@@ -36,7 +36,7 @@ def create_app(settings: LearnerSettings) -> FastAPI:
         await manager.stop()
         await bus.stop()
 
-    app = create_service_app(SERVICE_NAME, settings, lifespan=lifespan)
+    app = create_service_app(SERVICE, settings, lifespan=lifespan)
     app.state.health_checks["service_token"] = lambda: settings.service_token is not None
 
     @app.get("/v1/jobs", tags=["jobs"])

@@ -140,6 +140,7 @@ class JobManager:
             self.settings.node.checkpoint_dir,
             self.settings.device_list,
             self.settings.step_timeout_s,
+            source=self.bus.service,
             on_progress=lambda step, job_id=record.job_id: self._set(job_id, step=step),
         )
         self.runners[record.job_id] = runner
@@ -285,4 +286,4 @@ class JobManager:
         message: str,
         data: EventData | None = None,
     ) -> None:
-        await self.bus.publish(JobEvent.of(job_id, org_id, "learner", kind, message, data))
+        await self.bus.publish(JobEvent.of(job_id, org_id, self.bus.service, kind, message, data))

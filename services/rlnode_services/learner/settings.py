@@ -8,20 +8,23 @@ from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.messages.topics import LEARNER_GROUP
+from rlnode.service.registry import GATEWAY, LEARNER, VAULT
 from rlnode.service.settings import ServiceSettings
 
-SERVICE_NAME = "learner"
+SERVICE = LEARNER
 
 
 class LearnerSettings(ServiceSettings):
-    model_config = SettingsConfigDict(env_prefix="LEARNER_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
-    port: int = Field(8740, ge=0, le=65535)
-    vault_url: str = "http://127.0.0.1:8710"
-    gateway_url: str = "http://127.0.0.1:8720"
-    # A node-wide service token with taskapps:read and secrets:read: to check a job's Task
-    # App and secret before accepting it.
-    service_token: SecretStr | None = None
+    port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
+    vault_url: str = Field(VAULT.default_url, description="Where tokens and secrets are checked.")
+    gateway_url: str = Field(GATEWAY.default_url, description="Where Task Apps are checked.")
+    service_token: SecretStr | None = Field(
+        None,
+        description="A node-wide service token with taskapps:read and secrets:read: to check "
+        "a job's Task App and secret before accepting it.",
+    )
 
     devices: str = Field(
         "cpu",
@@ -34,8 +37,10 @@ class LearnerSettings(ServiceSettings):
         0, ge=0, description="GPUs this node has (the plan checks requests against it)."
     )
     max_running_jobs: int = Field(1, ge=1, description="Jobs trained at once; more are queued.")
-    group_id: str = LEARNER_GROUP
-    trajectory_group_id: str = "learner-trajectories"
+    group_id: str = Field(LEARNER_GROUP, description="The consumer group of job requests.")
+    trajectory_group_id: str = Field(
+        "learner-trajectories", description="The consumer group of trajectories."
+    )
     step_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for one step's trajectories."
     )

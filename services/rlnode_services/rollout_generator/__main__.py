@@ -6,11 +6,11 @@ import sys
 
 from rlnode.service.app import serve
 from rlnode_services.rollout_generator.app import create_app
-from rlnode_services.rollout_generator.settings import SERVICE_NAME, GeneratorSettings
+from rlnode_services.rollout_generator.settings import SERVICE, GeneratorSettings
 
 
 def main() -> int:
-    return serve(SERVICE_NAME, GeneratorSettings, create_app)
+    return serve(SERVICE, GeneratorSettings, create_app)
 
 
 if __name__ == "__main__":

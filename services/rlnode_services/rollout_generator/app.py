@@ -32,7 +32,7 @@ from rlnode_services.rollout_generator.rollouts import (
     RolloutRunner,
     render_prompt,
 )
-from rlnode_services.rollout_generator.settings import SERVICE_NAME, GeneratorSettings
+from rlnode_services.rollout_generator.settings import SERVICE, GeneratorSettings
 from rlnode_services.rollout_generator.weights import WeightSync
 from rlnode_services.rollout_generator.work import WorkHandler
 
@@ -51,7 +51,7 @@ def _check_supported(n: int, stream: bool) -> None:
 def create_app(settings: GeneratorSettings) -> FastAPI:
     pool = EnginePool(settings)
     registry = RolloutRegistry()
-    bus = Bus(settings.kafka, service=f"rollout-generator/{settings.generator_id}")
+    bus = Bus(settings.kafka, service=f"{SERVICE.name}/{settings.generator_id}")
     weights = WeightSync(settings, pool, bus)
     runner = RolloutRunner(settings, pool, registry, weights)
     finished = FinishedJobs(bus)
@@ -76,7 +76,7 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         await runner.aclose()
         await pool.close()
 
-    app = create_service_app(SERVICE_NAME, settings, lifespan=lifespan)
+    app = create_service_app(SERVICE, settings, lifespan=lifespan)
     app.state.health_checks["service_token"] = lambda: settings.service_token is not None
     install_error_handlers(app)
     app.state.work = work_subscription

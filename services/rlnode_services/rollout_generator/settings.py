@@ -10,27 +10,42 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.messages.topics import ROLLOUT_GENERATOR_GROUP
+from rlnode.service.registry import GATEWAY, GENERATOR
 from rlnode.service.settings import ServiceSettings
 
-SERVICE_NAME = "rollout-generator"
+SERVICE = GENERATOR
 
 
 class GeneratorSettings(ServiceSettings):
-    model_config = SettingsConfigDict(env_prefix="GENERATOR_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
-    port: int = Field(8730, ge=0, le=65535)
-    generator_id: str = Field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
-    # Base of the per-rollout inference URLs handed to Task Apps; default http://HOST:PORT.
-    public_url: str | None = None
+    port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
+    generator_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="This generator's name in trajectories and events (default host-pid).",
+    )
+    public_url: str | None = Field(
+        None,
+        description="Base of the per-rollout inference URLs handed to Task Apps (default "
+        "http://HOST:PORT).",
+    )
 
-    engine: Literal["torch", "vllm"] = "torch"
-    device: str = "cpu"
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    tensor_parallel: int = Field(1, ge=1)
-    max_batch_size: int = Field(32, ge=1, le=4096)
-    max_wait_ms: float = Field(5.0, ge=0, le=1000)
-    # With the reference model stacked on inference (GPU plan), add its logprobs to trajectories.
-    reference_on_inference: bool = False
+    engine: Literal["torch", "vllm"] = Field(
+        "torch", description="torch (CPU or GPU) or vllm (imported only then)."
+    )
+    device: str = Field("cpu", description="Where the engine runs: cpu or cuda[:N].")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="The engine's weights: auto is bfloat16 on GPUs, float32 on the CPU."
+    )
+    tensor_parallel: int = Field(1, ge=1, description="GPUs per vLLM engine.")
+    max_batch_size: int = Field(32, ge=1, le=4096, description="Requests in one batch.")
+    max_wait_ms: float = Field(
+        5.0, ge=0, le=1000, description="The torch engine waits this long to fill a batch."
+    )
+    reference_on_inference: bool = Field(
+        False,
+        description="The plan stacks the reference model here: add its logprobs to trajectories.",
+    )
     weights_wait_s: float = Field(
         60.0, ge=0, description="How long work waits for the weights it was issued at."
     )
@@ -39,10 +54,14 @@ class GeneratorSettings(ServiceSettings):
     )
 
     concurrency: int = Field(16, ge=1, le=4096, description="Rollouts in flight at once.")
-    work_group: str = ROLLOUT_GENERATOR_GROUP
-    gateway_url: str = "http://127.0.0.1:8720"
+    work_group: str = Field(
+        ROLLOUT_GENERATOR_GROUP, description="The consumer group the generators share work in."
+    )
+    gateway_url: str = Field(GATEWAY.default_url, description="The taskapp-gateway.")
     service_token: SecretStr | None = Field(None, description="A service token with rollouts:run.")
-    rollout_timeout_margin_s: float = Field(30.0, ge=0)
+    rollout_timeout_margin_s: float = Field(
+        30.0, ge=0, description="Added to a rollout's timeout for the call to the gateway."
+    )
     drain_timeout_s: float = Field(
         60.0, ge=0, description="On SIGTERM, how long in-flight rollouts may finish."
     )

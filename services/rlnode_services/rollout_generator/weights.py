@@ -76,7 +76,7 @@ class WeightSync:
                     job_id=version.job_id,
                     org_id=version.org_id,
                     type=JobEventType.WEIGHTS_REFUSED,
-                    source=f"rollout-generator/{generator}",
+                    source=self.bus.service,
                     message=f"generator {generator} refused weights v{version.version}: {e}",
                     data={"version": version.version, "generator": generator, "reason": str(e)},
                 )
@@ -92,7 +92,7 @@ class WeightSync:
                 job_id=version.job_id,
                 org_id=version.org_id,
                 type=JobEventType.WEIGHTS_LOADED,
-                source=f"rollout-generator/{generator}",
+                source=self.bus.service,
                 message=(
                     f"generator {generator} loaded v{version.version} in {seconds:.3f}s; parity probe "
                     f"max |Δlogprob| {diff:.2e} ({'ok' if ok else 'OVER tolerance'})"

@@ -50,12 +50,11 @@ class WorkHandler:
                 return
             except RecordTooLarge as e:
                 # Reported, and replaced by a failed trajectory so the learner counts it.
-                source = f"rollout-generator/{trajectory.generator}"
                 await self.bus.publish(
                     JobEvent.of(
                         trajectory.job_id,
                         trajectory.org_id,
-                        source,
+                        self.bus.service,
                         JobEventType.TRAJECTORY_TOO_LARGE,
                         str(e),
                         TrajectoryTooLargeData(

@@ -6,11 +6,11 @@ import sys
 
 from rlnode.service.app import serve
 from rlnode_services.taskapp_gateway.app import create_app
-from rlnode_services.taskapp_gateway.settings import SERVICE_NAME, GatewaySettings
+from rlnode_services.taskapp_gateway.settings import SERVICE, GatewaySettings
 
 
 def main() -> int:
-    return serve(SERVICE_NAME, GatewaySettings, create_app)
+    return serve(SERVICE, GatewaySettings, create_app)
 
 
 if __name__ == "__main__":

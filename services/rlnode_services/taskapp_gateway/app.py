@@ -31,7 +31,7 @@ from rlnode_services.taskapp_gateway.schemas import (
     TaskAppOut,
     VerifyReport,
 )
-from rlnode_services.taskapp_gateway.settings import SERVICE_NAME, GatewaySettings
+from rlnode_services.taskapp_gateway.settings import SERVICE, GatewaySettings
 from rlnode_services.taskapp_gateway.store import TaskAppRecord
 
 MAX_BODY_BYTES = 1024 * 1024
@@ -56,7 +56,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         settings.key_cache_s,
     )
     gateway = Gateway(
-        engine_for("taskapp-gateway", settings.database, settings.node),
+        engine_for(SERVICE.name, settings.database, settings.node),
         settings,
         keys,
         settings.node.data_dir / "taskapps",
@@ -67,7 +67,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         yield
         await gateway.aclose()  # stops every managed Task App
 
-    app = create_service_app(SERVICE_NAME, settings, lifespan=lifespan, responses=ERRORS)
+    app = create_service_app(SERVICE, settings, lifespan=lifespan, responses=ERRORS)
     app.state.verifier = VaultTokenVerifier(settings.vault_url)
     app.state.gateway = gateway
     app.state.health_checks["service_token"] = lambda: keys.configured

@@ -5,36 +5,46 @@ from __future__ import annotations
 from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
+from rlnode.service.registry import GATEWAY, VAULT
 from rlnode.service.settings import ServiceSettings
 
-SERVICE_NAME = "taskapp-gateway"
+SERVICE = GATEWAY
 
 
 class GatewaySettings(ServiceSettings):
-    model_config = SettingsConfigDict(env_prefix="GATEWAY_", extra="ignore")
+    model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
-    port: int = Field(8720, ge=0, le=65535)
+    port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
 
-    vault_url: str = "http://127.0.0.1:8710"
-    # A service token with secrets:unseal (node-wide): how the gateway gets each org's key.
-    service_token: SecretStr | None = None
+    vault_url: str = Field(
+        VAULT.default_url, description="Where tokens are checked and keys come from."
+    )
+    service_token: SecretStr | None = Field(
+        None,
+        description="A node-wide service token with secrets:unseal: how the gateway gets each "
+        "org's key (`rlnode token create taskapp-gateway --service --scope secrets:unseal`).",
+    )
 
     # Managed Task Apps
     start_timeout_s: float = Field(30.0, gt=0, description="From spawn to a healthy /health.")
-    health_interval_s: float = Field(5.0, gt=0)
+    health_interval_s: float = Field(
+        5.0, gt=0, description="How often a managed Task App is health-checked."
+    )
     unhealthy_after: int = Field(
         3, ge=1, description="Failed health checks in a row before a restart."
     )
     restart_backoff_s: float = Field(
         0.5, gt=0, description="First restart delay; doubles per crash."
     )
-    restart_backoff_max_s: float = Field(30.0, gt=0)
+    restart_backoff_max_s: float = Field(30.0, gt=0, description="Longest restart delay.")
     stable_after_s: float = Field(60.0, gt=0, description="Up this long resets the backoff.")
-    stop_grace_s: float = Field(10.0, gt=0)
+    stop_grace_s: float = Field(
+        10.0, gt=0, description="From SIGTERM to SIGKILL when a Task App is stopped."
+    )
 
     # Calls to Task Apps
     rollout_timeout_s: float = Field(300.0, gt=0, description="Default when a request names none.")
-    connect_timeout_s: float = Field(5.0, gt=0)
+    connect_timeout_s: float = Field(5.0, gt=0, description="To connect to a Task App.")
     connect_retries: int = Field(3, ge=0, description="Retries on connection errors only.")
     key_cache_s: float = Field(300.0, ge=0, description="How long an unsealed key is reused.")
     registry_cache_s: float = Field(
