@@ -8,9 +8,10 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from rlnode.cli.job import CliError, Progress, _config, terminal_curve, write_plot
+from rlnode.cli.job import CliError, _config
 from rlnode.messages import JobEvent, JobEventType, ends_the_job
 from rlnode.sdk.jobs import load_config
+from rlnode.sdk.progress import Progress, terminal_curve, write_plot
 
 REQUIRED = {
     JobEventType.REJECTED: {"reason": "r"},

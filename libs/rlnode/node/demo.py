@@ -11,13 +11,13 @@ import time
 from datetime import datetime
 from pathlib import Path
 
-from rlnode.cli.job import QUIET, Progress, terminal_curve, write_plot
 from rlnode.examples import example_job
 from rlnode.messages import JobConfig, JobEventType, ends_the_job
 from rlnode.models.tiny import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.sdk.jobs import JobError, JobsClient, new_job_id
+from rlnode.sdk.progress import QUIET, Progress, terminal_curve, write_plot
 from rlnode.service.registry import CHECKPOINT_SERVER
 from rlnode.service.settings import NodeSettings
 

@@ -256,12 +256,3 @@ class VaultTokenVerifier(TokenVerifier):
                 self._revoked = frozenset(self._get("/v1/revocations")["token_ids"])
                 self._fetched_at = time.monotonic()
             return token_id in self._revoked
-
-    @property
-    def reachable(self) -> bool:
-        """Whether the vault answers now (for health checks)."""
-        try:
-            self._get("/health")
-            return True
-        except AuthError:
-            return False

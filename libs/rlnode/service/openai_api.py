@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import orjson
+from fastapi.responses import StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 
@@ -79,30 +80,161 @@ def error_body(message: str, kind: str = "invalid_request_error", code: int | No
     return {"error": {"message": message, "type": kind, "code": code}, "detail": message}
 
 
-def chat_response(model: str, choices: list[dict[str, Any]], use: dict[str, int]) -> dict:
+class Sampled(Protocol):
+    """One sampled choice: an engine's GenerationResult, or a generator's recorded turn."""
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str
+
+
+def chat_completion(
+    model: str,
+    tokenizer: Any,
+    prompt_tokens: int,
+    sampled: Sequence[Sampled],
+    texts: Sequence[str],
+    logprobs: bool = False,
+) -> dict[str, Any]:
+    """A `chat.completion`: one choice per sample, with its text (already cut at stop
+    strings) and, when asked, its tokens' logprobs."""
+    choices = [
+        {
+            "index": i,
+            "message": {"role": "assistant", "content": text},
+            "finish_reason": s.finish_reason,
+            "logprobs": {"content": _token_logprobs(tokenizer, s)} if logprobs else None,
+        }
+        for i, (s, text) in enumerate(zip(sampled, texts, strict=True))
+    ]
+    return _response("chatcmpl", "chat.completion", model, choices, prompt_tokens, sampled)
+
+
+def text_completion(
+    model: str,
+    tokenizer: Any,
+    prompt_tokens: int,
+    sampled: Sequence[Sampled],
+    texts: Sequence[str],
+    logprobs: bool = False,
+) -> dict[str, Any]:
+    """A `text_completion` (the legacy completions route), logprobs in its legacy shape."""
+    choices = [
+        {
+            "index": i,
+            "text": text,
+            "finish_reason": s.finish_reason,
+            "logprobs": _legacy_logprobs(tokenizer, s) if logprobs else None,
+        }
+        for i, (s, text) in enumerate(zip(sampled, texts, strict=True))
+    ]
+    return _response("cmpl", "text_completion", model, choices, prompt_tokens, sampled)
+
+
+def _response(
+    prefix: str,
+    kind: str,
+    model: str,
+    choices: list[dict[str, Any]],
+    prompt_tokens: int,
+    sampled: Sequence[Sampled],
+) -> dict[str, Any]:
     return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
+        "id": f"{prefix}-{uuid.uuid4().hex}",
+        "object": kind,
         "created": int(time.time()),
         "model": model,
         "choices": choices,
-        "usage": use,
+        "usage": usage(prompt_tokens, sum(len(s.completion_ids) for s in sampled)),
     }
 
 
-def completion_response(model: str, choices: list[dict[str, Any]], use: dict[str, int]) -> dict:
+def _token_logprobs(tokenizer: Any, sampled: Sampled) -> list[dict[str, Any]]:
+    tokens = tokenizer.convert_ids_to_tokens(sampled.completion_ids)
+    return [
+        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+        for t, lp in zip(tokens, sampled.logprobs, strict=True)
+    ]
+
+
+def _legacy_logprobs(tokenizer: Any, sampled: Sampled) -> dict[str, Any]:
     return {
+        "tokens": tokenizer.convert_ids_to_tokens(sampled.completion_ids),
+        "token_logprobs": sampled.logprobs,
+        "top_logprobs": None,
+        "text_offset": None,
+    }
+
+
+# -- streaming ---------------------------------------------------------------------------
+
+
+def _pieces(tokenizer: Any, sampled: Sampled, text: str) -> Iterator[str]:
+    """The completion's text token by token (decoding prefixes, so multi-byte characters
+    come out whole), ending where the stop-trimmed text ends."""
+    sent = ""
+    for i in range(1, len(sampled.completion_ids) + 1):
+        prefix = tokenizer.decode(sampled.completion_ids[:i], skip_special_tokens=True)
+        prefix = prefix[: len(text)]
+        if len(prefix) > len(sent) and not prefix.endswith("\ufffd"):
+            yield prefix[len(sent) :]
+            sent = prefix
+    if len(sent) < len(text):
+        yield text[len(sent) :]
+
+
+def chat_chunks(
+    model: str, tokenizer: Any, sampled: Sequence[Sampled], texts: Sequence[str]
+) -> Iterator[dict[str, Any]]:
+    """A chat completion as `chat.completion.chunk`s: a role delta, the text, the finish."""
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+    }
+    for i, (s, text) in enumerate(zip(sampled, texts, strict=True)):
+        yield head | {
+            "choices": [
+                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+            ]
+        }
+        for piece in _pieces(tokenizer, s, text):
+            yield head | {
+                "choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None}]
+            }
+        yield head | {"choices": [{"index": i, "delta": {}, "finish_reason": s.finish_reason}]}
+
+
+def completion_chunks(
+    model: str, tokenizer: Any, sampled: Sequence[Sampled], texts: Sequence[str]
+) -> Iterator[dict[str, Any]]:
+    head = {
         "id": f"cmpl-{uuid.uuid4().hex}",
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
-        "choices": choices,
-        "usage": use,
     }
+    for i, (s, text) in enumerate(zip(sampled, texts, strict=True)):
+        for piece in _pieces(tokenizer, s, text):
+            yield head | {
+                "choices": [{"index": i, "text": piece, "finish_reason": None, "logprobs": None}]
+            }
+        yield head | {
+            "choices": [
+                {"index": i, "text": "", "finish_reason": s.finish_reason, "logprobs": None}
+            ]
+        }
 
 
-def sse(chunks: Iterator[dict[str, Any]]) -> Iterator[bytes]:
-    """Server-sent events as OpenAI streams them: one `data:` line per chunk, then [DONE]."""
-    for chunk in chunks:
-        yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-    yield b"data: [DONE]\n\n"
+def event_stream(chunks: Iterator[dict[str, Any]]) -> StreamingResponse:
+    """Server-sent events as OpenAI streams them: one `data:` line per chunk, then [DONE].
+    The torch engine returns a whole completion, so the stream starts once it is sampled
+    (vLLM would stream as it samples); clients see the same chunk protocol either way."""
+
+    def lines() -> Iterator[bytes]:
+        for chunk in chunks:
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(lines(), media_type="text/event-stream")

@@ -5,12 +5,11 @@ any checkpoint (`model = "<job_id>@<step>"` or `"<job_id>@latest"`)."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 from fastapi import Depends, FastAPI, Header, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse
 from sqlmodel import Session, col, select
 
 from rlnode.bus import Bus
@@ -21,6 +20,7 @@ from rlnode.engine import (
     cut_at_stop,
     render_chat,
 )
+from rlnode.engine.torch_engine import TorchEngine
 from rlnode.messages import topics
 from rlnode.service.app import create_service_app
 from rlnode.service.auth import (
@@ -36,13 +36,14 @@ from rlnode.service.http import install_error_handlers
 from rlnode.service.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
-    chat_response,
-    completion_response,
+    chat_chunks,
+    chat_completion,
+    completion_chunks,
     error_body,
-    sse,
+    event_stream,
     stops,
+    text_completion,
     text_content,
-    usage,
 )
 from rlnode_services.checkpoint_server.index import Indexer, local_path, metrics_path
 from rlnode_services.checkpoint_server.models import Checkpoints, ModelCache, ModelProblem
@@ -58,6 +59,11 @@ def caller(request: Request, authorization: Annotated[str | None, Header()] = No
 
 
 Caller = Annotated[TokenClaims, Depends(caller)]
+
+
+def _org(claims: TokenClaims) -> str:
+    assert claims.org_id is not None  # `caller` admits org tokens only
+    return claims.org_id
 
 
 def _need(claims: TokenClaims, scope: Scope) -> None:
@@ -110,13 +116,13 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
                 "on_disk": (p := local_path(r.uri, root)) is not None and p.exists(),
                 "created_at": r.created_at.isoformat(),
             }
-            for r in checkpoints.of_job(claims.org_id, job)
+            for r in checkpoints.of_job(_org(claims), job)
         ]
 
     @app.get("/v1/checkpoints/{job_id}/{step}/files", tags=["checkpoints"])
     async def list_files(claims: Caller, job_id: str, step: str) -> list[dict[str, Any]]:
         _need(claims, Scope.JOBS_READ)
-        _record, path = checkpoints.resolve(claims.org_id, f"{job_id}@{step}")
+        _record, path = checkpoints.resolve(_org(claims), f"{job_id}@{step}")
         return [
             {"name": f.name, "size_bytes": f.stat().st_size}
             for f in sorted(path.iterdir())
@@ -126,7 +132,7 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
     @app.get("/v1/checkpoints/{job_id}/{step}/files/{name}", tags=["checkpoints"])
     async def download(claims: Caller, job_id: str, step: str, name: str) -> FileResponse:
         _need(claims, Scope.JOBS_READ)
-        _record, path = checkpoints.resolve(claims.org_id, f"{job_id}@{step}")
+        _record, path = checkpoints.resolve(_org(claims), f"{job_id}@{step}")
         files = {f.name: f for f in path.iterdir() if f.is_file()}  # never a path from the URL
         if name not in files:
             raise ModelProblem(
@@ -141,7 +147,7 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
         """OpenAI's model list: every checkpoint, and `<job>@latest` per job."""
         _need(claims, Scope.INFERENCE)
         data, latest = [], {}
-        for r in checkpoints.of_job(claims.org_id, None):
+        for r in checkpoints.of_job(_org(claims), None):
             entry = {
                 "id": r.model,
                 "object": "model",
@@ -159,7 +165,7 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
         with Session(db) as s:
             rows = s.exec(
                 select(JobSummary)
-                .where(JobSummary.org_id == claims.org_id)
+                .where(JobSummary.org_id == _org(claims))
                 .order_by(col(JobSummary.created_at).desc())
             ).all()
         return [_summary(r) for r in rows]
@@ -170,7 +176,7 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
         with Session(db) as s:
             row = s.get(JobSummary, job_id)
             ckpts = s.exec(select(CheckpointRecord).where(CheckpointRecord.job_id == job_id)).all()
-        if row is None or row.org_id != claims.org_id:
+        if row is None or row.org_id != _org(claims):
             raise ModelProblem(404, f"no job {job_id!r} in your org", "not_found_error")
         return {**_summary(row), "checkpoints": sorted(c.step for c in ckpts)}
 
@@ -185,10 +191,11 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
 
     # -- inference --------------------------------------------------------------------
 
-    async def _engine_for(claims: TokenClaims, model: str | None):
+    async def _engine_for(claims: TokenClaims, model: str | None) -> tuple[str, TorchEngine]:
+        """The model name as asked (`<job>@latest` stays so) and its loaded engine."""
         _need(claims, Scope.INFERENCE)
-        record, path = checkpoints.resolve(claims.org_id, model)
-        return record, await cache.get(record.model, path)
+        record, path = checkpoints.resolve(_org(claims), model)
+        return model or record.model, await cache.get(record.model, path)
 
     async def _sample(engine, prompt_ids: list[int], body, stop: list[str]):
         budget = min(body_budget(body) or settings.default_max_tokens, settings.max_tokens)
@@ -213,7 +220,7 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions", tags=["inference"])
     async def chat(claims: Caller, body: ChatCompletionRequest):
-        _record, engine = await _engine_for(claims, body.model)
+        model, engine = await _engine_for(claims, body.model)
         try:
             prompt_ids = render_chat(engine.tokenizer, [text_content(m) for m in body.messages])
         except Exception as e:
@@ -224,23 +231,14 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
         results = await _sample(engine, prompt_ids, body, stop)
         texts = [_text(engine, r, stop) for r in results]
         if body.stream:
-            return _stream(_chat_chunks(body.model, engine, results, texts))
-        choices = [
-            {
-                "index": i,
-                "message": {"role": "assistant", "content": text},
-                "finish_reason": r.finish_reason,
-                "logprobs": {"content": _token_logprobs(engine, r)} if body.logprobs else None,
-            }
-            for i, (r, text) in enumerate(zip(results, texts, strict=True))
-        ]
-        return chat_response(
-            body.model, choices, usage(len(prompt_ids), sum(len(r.completion_ids) for r in results))
+            return event_stream(chat_chunks(model, engine.tokenizer, results, texts))
+        return chat_completion(
+            model, engine.tokenizer, len(prompt_ids), results, texts, logprobs=body.logprobs
         )
 
     @app.post("/v1/completions", tags=["inference"])
     async def complete(claims: Caller, body: CompletionRequest):
-        _record, engine = await _engine_for(claims, body.model)
+        model, engine = await _engine_for(claims, body.model)
         if isinstance(body.prompt, str):
             prompt_ids = list(engine.tokenizer(body.prompt)["input_ids"])
         else:
@@ -251,18 +249,14 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
         results = await _sample(engine, prompt_ids, body, stop)
         texts = [_text(engine, r, stop) for r in results]
         if body.stream:
-            return _stream(_completion_chunks(body.model, engine, results, texts))
-        choices = [
-            {
-                "index": i,
-                "text": text,
-                "finish_reason": r.finish_reason,
-                "logprobs": _legacy_logprobs(engine, r) if body.logprobs is not None else None,
-            }
-            for i, (r, text) in enumerate(zip(results, texts, strict=True))
-        ]
-        return completion_response(
-            body.model, choices, usage(len(prompt_ids), sum(len(r.completion_ids) for r in results))
+            return event_stream(completion_chunks(model, engine.tokenizer, results, texts))
+        return text_completion(
+            model,
+            engine.tokenizer,
+            len(prompt_ids),
+            results,
+            texts,
+            logprobs=body.logprobs is not None,
         )
 
     @app.get("/v1/checkpoint-server", tags=["ops"])
@@ -299,72 +293,3 @@ def _text(engine, result: GenerationResult, stop: list[str]) -> str:
     return cut_at_stop(
         engine.tokenizer.decode(result.completion_ids, skip_special_tokens=True), stop
     )
-
-
-def _pieces(engine, result: GenerationResult, text: str) -> Iterator[str]:
-    """The completion's text token by token (decoding prefixes, so multi-byte characters
-    come out whole), ending where the stop-trimmed text ends."""
-    decode = engine.tokenizer.decode
-    sent = ""
-    for i in range(1, len(result.completion_ids) + 1):
-        prefix = decode(result.completion_ids[:i], skip_special_tokens=True)[: len(text)]
-        if len(prefix) > len(sent) and not prefix.endswith("\ufffd"):
-            yield prefix[len(sent) :]
-            sent = prefix
-    if len(sent) < len(text):
-        yield text[len(sent) :]
-
-
-def _token_logprobs(engine, result: GenerationResult) -> list[dict[str, Any]]:
-    tokens = engine.tokenizer.convert_ids_to_tokens(result.completion_ids)
-    return [
-        {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-        for t, lp in zip(tokens, result.logprobs, strict=True)
-    ]
-
-
-def _legacy_logprobs(engine, result: GenerationResult) -> dict[str, Any]:
-    tokens = engine.tokenizer.convert_ids_to_tokens(result.completion_ids)
-    return {
-        "tokens": tokens,
-        "token_logprobs": result.logprobs,
-        "top_logprobs": None,
-        "text_offset": None,
-    }
-
-
-def _chat_chunks(model, engine, results, texts) -> Iterator[dict[str, Any]]:
-    base = chat_response(model, [], {})
-    head = {k: base[k] for k in ("id", "created", "model")} | {"object": "chat.completion.chunk"}
-    for i, (r, text) in enumerate(zip(results, texts, strict=True)):
-        yield head | {
-            "choices": [
-                {"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
-            ]
-        }
-        for piece in _pieces(engine, r, text):
-            yield head | {
-                "choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None}]
-            }
-        yield head | {"choices": [{"index": i, "delta": {}, "finish_reason": r.finish_reason}]}
-
-
-def _completion_chunks(model, engine, results, texts) -> Iterator[dict[str, Any]]:
-    base = completion_response(model, [], {})
-    head = {k: base[k] for k in ("id", "object", "created", "model")}
-    for i, (r, text) in enumerate(zip(results, texts, strict=True)):
-        for piece in _pieces(engine, r, text):
-            yield head | {
-                "choices": [{"index": i, "text": piece, "finish_reason": None, "logprobs": None}]
-            }
-        yield head | {
-            "choices": [
-                {"index": i, "text": "", "finish_reason": r.finish_reason, "logprobs": None}
-            ]
-        }
-
-
-def _stream(chunks: Iterator[dict[str, Any]]) -> StreamingResponse:
-    # The torch engine returns a whole completion: the stream starts once it is sampled
-    # (vLLM would stream as it samples); clients see the same chunk protocol either way.
-    return StreamingResponse(sse(chunks), media_type="text/event-stream")

@@ -17,12 +17,11 @@ from rlnode.service.http import install_error_handlers
 from rlnode.service.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
-    chat_response,
-    completion_response,
+    chat_completion,
     error_body,
     stops,
+    text_completion,
     text_content,
-    usage,
 )
 from rlnode_services.rollout_generator.engines import EnginePool
 from rlnode_services.rollout_generator.finished import FinishedJobs
@@ -106,36 +105,23 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         (the learner's importance ratio assumes the job's), and max_tokens can only lower it."""
         rollout = registry.get(rollout_id)
         _check_supported(body.n, body.stream)
-        prompt_ids = render_prompt(rollout.engines, [text_content(m) for m in body.messages])
+        prompt_ids = render_prompt(rollout.policy, [text_content(m) for m in body.messages])
         turn, text = await rollout.complete(prompt_ids, body.token_budget, stops(body.stop))
-        return chat_response(
-            body.model or rollout.work.job_id,
-            [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": turn.finish_reason,
-                    "logprobs": None,
-                }
-            ],
-            usage(len(turn.prompt_ids), len(turn.completion_ids)),
-        )
+        model = body.model or rollout.work.job_id
+        return chat_completion(model, rollout.policy.tokenizer, len(prompt_ids), [turn], [text])
 
     @app.post("/rollouts/{rollout_id}/v1/completions", tags=["inference"])
     async def completions(rollout_id: str, body: CompletionRequest) -> dict[str, Any]:
         rollout = registry.get(rollout_id)
         _check_supported(body.n, body.stream)
         if isinstance(body.prompt, str):
-            prompt_ids = list(rollout.engines.policy.tokenizer(body.prompt)["input_ids"])
+            prompt_ids = list(rollout.policy.tokenizer(body.prompt)["input_ids"])
         else:
             prompt_ids = list(body.prompt)
         if not prompt_ids:
             raise InferenceRefused(400, "empty prompt")
         turn, text = await rollout.complete(prompt_ids, body.max_tokens, stops(body.stop))
-        return completion_response(
-            body.model or rollout.work.job_id,
-            [{"index": 0, "text": text, "finish_reason": turn.finish_reason, "logprobs": None}],
-            usage(len(turn.prompt_ids), len(turn.completion_ids)),
-        )
+        model = body.model or rollout.work.job_id
+        return text_completion(model, rollout.policy.tokenizer, len(prompt_ids), [turn], [text])
 
     return app

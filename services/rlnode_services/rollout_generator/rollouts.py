@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlnode.engine import EngineError, render_chat
+from rlnode.engine import Engine, EngineError, render_chat
 from rlnode.engine.turns import TurnRefused, sample_turn
 from rlnode.messages import RolloutFailure, RolloutWork, TokenTurn, Trajectory
 from rlnode.service.pooled_http import HttpCallError, PooledHttp, Reply, TimedOut
@@ -40,14 +40,19 @@ class ActiveRollout:
     turns: list[TokenTurn] = field(default_factory=list)
     outcome: NormalisedRollout | None = None  # the Task App's result, once the gateway answered
 
+    @property
+    def policy(self) -> Engine:
+        """The job's policy engine (a registered rollout has its engines)."""
+        assert self.engines is not None, "the rollout is registered once its engines load"
+        return self.engines.policy
+
     async def complete(
         self, prompt_ids: list[int], max_tokens: int | None, stop: list[str]
     ) -> tuple[TokenTurn, str]:
         """Sample from the policy as the job's sampling config says; record the turn."""
-        assert self.engines is not None
         try:
             turn, text = await sample_turn(
-                self.engines.policy,
+                self.policy,
                 prompt_ids,
                 self.work.sampling,
                 self.work.model.max_seq_len,
@@ -82,9 +87,9 @@ class RolloutRegistry:
         return len(self._active)
 
 
-def render_prompt(engines: JobEngines, messages: list[dict[str, Any]]) -> list[int]:
+def render_prompt(policy: Engine, messages: list[dict[str, Any]]) -> list[int]:
     try:
-        return render_chat(engines.policy.tokenizer, messages)
+        return render_chat(policy.tokenizer, messages)
     except Exception as e:
         raise InferenceRefused(
             400, f"cannot apply the chat template to these messages: {e}"
