@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.installed
 HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 TORCH   ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
 
-.PHONY: setup test test-unit lint format proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trl clean
+.PHONY: setup test test-unit lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trl clean
 
 setup: $(STAMP)
 
@@ -36,10 +36,15 @@ test-unit: setup
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 format: setup
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+
+# The settings tables in the READMEs, regenerated from the settings classes.
+docs: setup
+	$(BIN)/python -m rlnode.service.settings_reference README.md services/rlnode_services/*/README.md
 
 proto: setup
 	$(BIN)/python -m rlnode.messages.proto proto

@@ -1,4 +1,4 @@
-"""Fixtures that give tests real infrastructure (DESIGN.md §7)."""
+"""Fixtures that give tests real infrastructure (docs/architecture.md §7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Real infrastructure for tests (DESIGN.md §7): a broker and databases.
+"""Real infrastructure for tests (docs/architecture.md §7): a broker and databases.
 
 Broker, in order: the one named by KAFKA_BOOTSTRAP_SERVERS; else a testcontainers Kafka
 container where a Docker engine answers; else the embedded Tansu subprocess.
@@ -125,7 +125,7 @@ class ThreadedServer:
                 timeout_graceful_shutdown=1,
             )
         )
-        self.server.install_signal_handlers = lambda: None  # not the main thread
+        # Not the main thread: uvicorn (>= 0.29) installs signal handlers only from that one.
         self._thread = threading.Thread(target=self.server.run, daemon=True)
 
     @property

@@ -17,6 +17,7 @@ import openai
 import pytest
 import torch
 
+from rlnode.examples import example_job
 from rlnode.messages import topics
 from rlnode.models.tiny import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
@@ -53,25 +54,18 @@ def node(tmp_path_factory, kafka_broker):
         org = running.create_org(unique_id("org"), {"ENVIRONMENT_API_KEY": "tk-" + prefix})
         assert running.register_example_task_app(org, "copy", "copy_task")["ok"]
         model = init_tiny_model(directory / "tiny", seed=0)
-        config = directory / "job.toml"
-        config.write_text(
-            f"""
-name = "copy, tiny"
-[model]
-source = "{model}"
-[task_app]
-name = "copy"
-env_config = {{ length = 3, alphabet = "abc" }}
-[sampling]
-max_tokens = 6
-[training]
-steps = {STEPS}
-prompts_per_step = 8
-group_size = 8
-learning_rate = 5e-3
-checkpoint_every = 2
-"""
+        # The copy-task job every test and the demo run, as a file a user would pass.
+        job = example_job(
+            "copy_task",
+            model,
+            steps=STEPS,
+            group_size=8,
+            learning_rate=5e-3,
+            minibatches=1,
+            checkpoint_every=2,
         )
+        config = directory / "job.json"
+        config.write_text(job.model_dump_json(indent=2))
         yield running, org, config, directory
 
 
@@ -287,10 +281,8 @@ async def test_any_kafka_client_can_drive_a_job(node) -> None:
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     running, org, config, _directory = node
-    import tomllib
-
     job_id = unique_id("raw")
-    body = tomllib.loads(config.read_text())
+    body = json.loads(config.read_text())
     body["training"]["steps"] = 1
     request = {
         "schema": "rlnode.JobRequest/1",

@@ -1,4 +1,4 @@
-"""The GPU plan, rule by rule (DESIGN.md §5)."""
+"""The GPU plan, rule by rule (docs/architecture.md §5)."""
 
 from __future__ import annotations
 

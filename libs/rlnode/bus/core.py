@@ -122,10 +122,12 @@ class Bus:
                 self._raise_publish_error(e, *sizes[-1])
             raise
         metas = await asyncio.gather(*pending, return_exceptions=True)
+        published: list[Published] = []
         for (destination, size), meta in zip(sizes, metas, strict=True):
             if isinstance(meta, BaseException):
                 self._raise_publish_error(meta, destination, size)
-        return [Published(m.topic, m.partition, m.offset) for m in metas]
+            published.append(Published(meta.topic, meta.partition, meta.offset))
+        return published
 
     def _raise_publish_error(self, error: BaseException, topic: str, size: int) -> NoReturn:
         """Raise a failed publish of a `size`-byte record to `topic` as this package names it."""

@@ -1,6 +1,6 @@
 """A record a consumer cannot use becomes a dead letter: the record (base64, bounded), where
 it came from and why, on `rlnode.dead-letters`; and, where it names a job, an event that
-tells the job why (DESIGN.md §2). A bad job event or dead letter begets no event: no loops."""
+tells the job why (docs/architecture.md §2). A bad job event or dead letter begets no event: no loops."""
 
 from __future__ import annotations
 

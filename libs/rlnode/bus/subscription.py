@@ -20,7 +20,7 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
 from aiokafka.errors import KafkaConnectionError, KafkaError
@@ -84,7 +84,8 @@ class Subscription(Generic[M]):
         self.topic = topic
         self.handler = handler
         self.group_id = group_id
-        self.model: type[M] = model or topics.payload_type(topic)
+        # Without a model the handler takes the topic's own payload type.
+        self.model: type[M] = model or cast("type[M]", topics.payload_type(topic))
         self.commit_policy = commit
         self._tag = tag
         self._settled = settled

@@ -10,7 +10,7 @@ from rlnode.sdk.gateway import GatewayClient, GatewayError
 from rlnode.service.registry import GATEWAY
 
 
-def _client(args: argparse.Namespace) -> GatewayClient:
+def _gateway(args: argparse.Namespace) -> GatewayClient:
     token = os.environ.get("RLNODE_TOKEN")
     if not token:
         raise GatewayError(
@@ -26,7 +26,7 @@ def _register(args: argparse.Namespace) -> int:
         if not sep:
             raise GatewayError(0, f"--env takes NAME=VALUE, not {item!r}")
         env[name] = value
-    with _client(args) as gateway:
+    with _gateway(args) as gateway:
         app = gateway.register(
             args.name,
             url=args.url,
@@ -44,7 +44,7 @@ def _register(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    with _client(args) as gateway:
+    with _gateway(args) as gateway:
         apps = gateway.list(args.org)
     if not apps:
         print("no Task Apps")
@@ -56,7 +56,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    with _client(args) as gateway:
+    with _gateway(args) as gateway:
         report = gateway.verify(args.name, args.org)
     for check in ("healthy", "accepts_key", "refuses_wrong_key"):
         mark = "ok  " if report[check]["ok"] else "FAIL"
@@ -66,13 +66,13 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _logs(args: argparse.Namespace) -> int:
-    with _client(args) as gateway:
+    with _gateway(args) as gateway:
         print(gateway.logs(args.name, args.org), end="")
     return 0
 
 
 def _remove(args: argparse.Namespace) -> int:
-    with _client(args) as gateway:
+    with _gateway(args) as gateway:
         gateway.remove(args.name, args.org)
     print(f"removed {args.name}")
     return 0

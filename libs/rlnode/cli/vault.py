@@ -19,7 +19,7 @@ from rlnode.service.auth import ORG_SCOPES, SERVICE_SCOPES
 from rlnode.service.registry import VAULT
 
 
-def _client(args: argparse.Namespace, *, admin: bool = False) -> VaultClient:
+def _vault(args: argparse.Namespace, *, admin: bool = False) -> VaultClient:
     name = "RLNODE_ADMIN_TOKEN" if admin else "RLNODE_TOKEN"
     token = os.environ.get(name)
     if not token:
@@ -39,7 +39,7 @@ def _master_key(_args: argparse.Namespace) -> int:
 
 
 def _org_create(args: argparse.Namespace) -> int:
-    with _client(args, admin=True) as vault:
+    with _vault(args, admin=True) as vault:
         created = vault.create_org(args.org_id, args.name)
     key, token = created["public_key"], created["token"]
     print(f"created org {created['org_id']} with key {key['key_id']}", file=sys.stderr)
@@ -50,12 +50,12 @@ def _org_create(args: argparse.Namespace) -> int:
 
 def _token_create(args: argparse.Namespace) -> int:
     if args.service:
-        with _client(args, admin=True) as vault:
+        with _vault(args, admin=True) as vault:
             issued = vault.create_service_token(
                 args.name, args.scope or ["secrets:unseal"], args.org, args.ttl_s
             )
     else:
-        with _client(args) as vault:
+        with _vault(args) as vault:
             issued = vault.create_token(args.name, args.scope or None, args.ttl_s, args.org)
     print(
         f"issued {issued['kind']} token {issued['token_id']} ({' '.join(issued['scopes'])}); "
@@ -68,10 +68,10 @@ def _token_create(args: argparse.Namespace) -> int:
 
 def _secret_value(args: argparse.Namespace) -> bytes:
     if args.from_env:
-        value = os.environ.get(args.from_env)
-        if value is None:
+        from_env = os.environ.get(args.from_env)
+        if from_env is None:
             raise VaultError(0, f"environment variable {args.from_env} is not set")
-        return value.encode()
+        return from_env.encode()
     if sys.stdin.isatty():
         print("value (end with Ctrl-D):", file=sys.stderr)
     value = sys.stdin.buffer.read()
@@ -83,14 +83,14 @@ def _secrets_set(args: argparse.Namespace) -> int:
     value = _secret_value(args)
     if not value:
         raise VaultError(0, "empty value: pipe the secret on stdin or use --from-env VAR")
-    with _client(args) as vault:
+    with _vault(args) as vault:
         info = vault.set_secret(args.name, value, args.org)
     print(f"stored {info['name']} for org {info['org_id']}, sealed to key {info['key_id']}")
     return 0
 
 
 def _secrets_list(args: argparse.Namespace) -> int:
-    with _client(args) as vault:
+    with _vault(args) as vault:
         secrets = vault.list_secrets(args.org)
     if not secrets:
         print("no secrets")
@@ -100,14 +100,14 @@ def _secrets_list(args: argparse.Namespace) -> int:
 
 
 def _secrets_rm(args: argparse.Namespace) -> int:
-    with _client(args) as vault:
+    with _vault(args) as vault:
         vault.delete_secret(args.name, args.org)
     print(f"deleted {args.name}")
     return 0
 
 
 def _rotate(args: argparse.Namespace) -> int:
-    with _client(args) as vault:
+    with _vault(args) as vault:
         rotated = vault.rotate_key(args.org)
     print(
         f"org {rotated['org_id']} now seals to key {rotated['key_id']}; re-sealed {rotated['resealed']} secret(s)"

@@ -28,11 +28,14 @@ class GenerationRequest:
     stop_token_ids: list[int] = field(default_factory=list)
 
 
+FinishReason = Literal["stop", "length"]
+
+
 @dataclass
 class GenerationResult:
     completion_ids: list[int]
     logprobs: list[float]
-    finish_reason: Literal["stop", "length"]
+    finish_reason: FinishReason
     policy_version: int
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlnode.engine.base import EngineError, GenerationRequest, GenerationResult
+from rlnode.engine.base import EngineError, FinishReason, GenerationRequest, GenerationResult
 
 log = logging.getLogger("rlnode.engine.torch")
 
@@ -48,7 +48,7 @@ def load_model(path: Path, device: str, dtype: str = "auto"):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
     except OSError as e:
         raise EngineError(f"cannot load a model from {path}: {e}") from None
-    model.to(device).eval()
+    model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub of the @wraps(Module.to) method wants the model as its first argument
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
@@ -199,7 +199,7 @@ class TorchEngine:
         stops = [set(r.stop_token_ids) | eos for r in requests]
         completions: list[list[int]] = [[] for _ in requests]
         logprobs: list[list[float]] = [[] for _ in requests]
-        finish: list[str | None] = [None] * size
+        finish: list[FinishReason | None] = [None] * size
         with torch.inference_mode():
             out = self.model(
                 input_ids=input_ids, attention_mask=mask, position_ids=positions, use_cache=True

@@ -14,7 +14,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from rlnode.engine.base import EngineError, GenerationRequest, GenerationResult
+from rlnode.engine.base import EngineError, FinishReason, GenerationRequest, GenerationResult
 
 INSTALL_HINT = (
     "vLLM is not installed: `pip install vllm` on a machine with a CUDA GPU, or run the "
@@ -93,7 +93,7 @@ class VLLMEngine:
         ]
         if len(logprobs) != len(ids):
             raise EngineError("vLLM returned logprobs that do not line up with the tokens")
-        finish = "stop" if completion.finish_reason == "stop" else "length"
+        finish: FinishReason = "stop" if completion.finish_reason == "stop" else "length"
         return GenerationResult(ids, logprobs, finish, version)
 
     async def load_weights(self, path: Path, version: int) -> float:
@@ -122,6 +122,8 @@ class VLLMEngine:
                 {"prompt_token_ids": sequence}, params, request_id=uuid.uuid4().hex
             ):
                 final = output
+            if final is None:
+                raise EngineError("vLLM returned no output")
             steps = (final.prompt_logprobs or [])[1:]
             results.append(
                 [step[token].logprob for step, token in zip(steps, sequence[1:], strict=True)]

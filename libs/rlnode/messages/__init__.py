@@ -1,4 +1,4 @@
-"""Every payload on every topic (DESIGN.md §2), defined once."""
+"""Every payload on every topic (docs/architecture.md §2), defined once."""
 
 from rlnode.messages.base import ID_PATTERN, Envelope, ResourceId, Stamped, StrictModel, utc_now
 from rlnode.messages.config import (

@@ -35,7 +35,8 @@ class Stamped(StrictModel):
     """Identity and time of a record: the part shared by every payload."""
 
     # Each concrete payload declares `schema_` as a Literal "rlnode.<Name>/<version>",
-    # so a record of one type sent to another type's topic fails validation.
+    # so a record of one type sent to another type's topic fails validation; its SCHEMA
+    # is that same Literal, so the type checker holds the two (and the default) equal.
     SCHEMA: ClassVar[str]
 
     id: UUID = Field(default_factory=uuid4, description="Unique id of this record.")
@@ -52,7 +53,3 @@ class Envelope(Stamped):
     @property
     def key(self) -> bytes:
         return self.job_id.encode()
-
-
-def schema_tag(name: str, version: int) -> str:
-    return f"rlnode.{name}/{version}"

@@ -6,13 +6,13 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, NonNegativeInt
 
-from rlnode.messages.base import ResourceId, Stamped, schema_tag
+from rlnode.messages.base import ResourceId, Stamped
 
 DeadLetterError = Literal["decode", "validation", "handler"]
 
 
 class DeadLetter(Stamped):
-    SCHEMA: ClassVar[str] = schema_tag("DeadLetter", 1)
+    SCHEMA: ClassVar[Literal["rlnode.DeadLetter/1"]] = "rlnode.DeadLetter/1"
     schema_: Literal["rlnode.DeadLetter/1"] = Field(SCHEMA, alias="schema")
 
     # Taken from the bad record where it names them (and they are well formed).

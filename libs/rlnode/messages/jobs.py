@@ -16,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from rlnode.messages.base import Envelope, schema_tag
+from rlnode.messages.base import Envelope
 from rlnode.messages.config import JobConfig
 
 
@@ -29,7 +29,7 @@ class JobRequest(Envelope):
     """Start a job (with its config) or cancel one. Carries the org's API token, which the
     learner verifies before it acts on the request."""
 
-    SCHEMA: ClassVar[str] = schema_tag("JobRequest", 1)
+    SCHEMA: ClassVar[Literal["rlnode.JobRequest/1"]] = "rlnode.JobRequest/1"
     schema_: Literal["rlnode.JobRequest/1"] = Field(SCHEMA, alias="schema")
 
     action: JobAction = JobAction.START
@@ -193,7 +193,7 @@ class JobEvent(Envelope):
     """Something that happened to a job. `data` is checked against the event type's model
     (see EVENT_DATA) where one is defined."""
 
-    SCHEMA: ClassVar[str] = schema_tag("JobEvent", 1)
+    SCHEMA: ClassVar[Literal["rlnode.JobEvent/1"]] = "rlnode.JobEvent/1"
     schema_: Literal["rlnode.JobEvent/1"] = Field(SCHEMA, alias="schema")
 
     type: JobEventType

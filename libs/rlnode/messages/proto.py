@@ -12,7 +12,7 @@ from typing import Any
 from pydantic.json_schema import models_json_schema
 
 from rlnode import __version__
-from rlnode.messages import EVENT_DATA, PAYLOAD_TYPES, JobEvent, topics
+from rlnode.messages import EVENT_DATA, PAYLOAD_TYPES, JobEvent, Stamped, topics
 from rlnode.taskapp import contract
 
 # The Task App contract (docs/taskapp-contract.md): the bodies a Task App serves and takes.
@@ -65,7 +65,7 @@ def _dump(document: Any) -> str:
     return json.dumps(document, indent=2, ensure_ascii=False) + "\n"
 
 
-def payload_schema(model: type) -> dict[str, Any]:
+def payload_schema(model: type[Stamped]) -> dict[str, Any]:
     schema = model.model_json_schema(by_alias=True)
     return {"$schema": JSON_SCHEMA_DIALECT, "$id": schema_urn(model.SCHEMA), **schema}
 
@@ -132,8 +132,8 @@ def asyncapi_document() -> dict[str, Any]:
 def render() -> dict[str, str]:
     """Every generated file, relative path -> text."""
     files = {f"{m.__name__}.schema.json": _dump(payload_schema(m)) for m in PAYLOAD_TYPES.values()}
-    for event_type, model in EVENT_DATA.items():
-        schema = model.model_json_schema()
+    for event_type, data_model in EVENT_DATA.items():
+        schema = data_model.model_json_schema()
         files[f"events/{event_type.value}.schema.json"] = _dump(
             {
                 "$schema": JSON_SCHEMA_DIALECT,
@@ -141,12 +141,12 @@ def render() -> dict[str, str]:
                 **schema,
             }
         )
-    for model in TASKAPP_MODELS:
-        schema = model.model_json_schema(by_alias=True)
-        files[f"taskapp/{model.__name__}.schema.json"] = _dump(
+    for taskapp_model in TASKAPP_MODELS:
+        schema = taskapp_model.model_json_schema(by_alias=True)
+        files[f"taskapp/{taskapp_model.__name__}.schema.json"] = _dump(
             {
                 "$schema": JSON_SCHEMA_DIALECT,
-                "$id": f"urn:rlnode:taskapp:{model.__name__}",
+                "$id": f"urn:rlnode:taskapp:{taskapp_model.__name__}",
                 **schema,
             }
         )

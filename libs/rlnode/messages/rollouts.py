@@ -14,14 +14,14 @@ from pydantic import (
     model_validator,
 )
 
-from rlnode.messages.base import Envelope, StrictModel, schema_tag
+from rlnode.messages.base import Envelope, StrictModel
 from rlnode.messages.config import ModelSpec, SamplingSpec, TaskAppSpec
 
 
 class RolloutWork(Envelope):
     """One rollout to run: sample `sample_index` of the group for `seed` in training `step`."""
 
-    SCHEMA: ClassVar[str] = schema_tag("RolloutWork", 1)
+    SCHEMA: ClassVar[Literal["rlnode.RolloutWork/1"]] = "rlnode.RolloutWork/1"
     schema_: Literal["rlnode.RolloutWork/1"] = Field(SCHEMA, alias="schema")
 
     step: NonNegativeInt = Field(description="The training step whose batch this belongs to.")
@@ -86,7 +86,7 @@ class Trajectory(Envelope):
     """The outcome of one `RolloutWork`: the recorded turns joined with the Task App's rewards,
     or the classified reason it failed. Failed rollouts are published too, never dropped."""
 
-    SCHEMA: ClassVar[str] = schema_tag("Trajectory", 1)
+    SCHEMA: ClassVar[Literal["rlnode.Trajectory/1"]] = "rlnode.Trajectory/1"
     schema_: Literal["rlnode.Trajectory/1"] = Field(SCHEMA, alias="schema")
 
     work_id: UUID

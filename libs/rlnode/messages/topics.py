@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Final
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:
+    from rlnode.messages.base import Stamped
 
 JOB_REQUESTS: Final = "rlnode.job-requests"
 JOB_EVENTS: Final = "rlnode.job-events"
@@ -20,16 +23,16 @@ ALL_TOPICS: Final[tuple[str, ...]] = (
     DEAD_LETTERS,
 )
 
-# Consumer groups named by DESIGN.md §2.
+# The consumer groups of docs/architecture.md §2.
 LEARNER_GROUP: Final = "learner"
 ROLLOUT_GENERATOR_GROUP: Final = "rollout-generator"
 
 
-def payload_type(topic: str) -> type:
-    """The payload model a topic carries (DESIGN.md §2)."""
+def payload_type(topic: str) -> type[Stamped]:
+    """The payload model a topic carries (docs/architecture.md §2)."""
     from rlnode import messages as m
 
-    types = {
+    types: dict[str, type[Stamped]] = {
         JOB_REQUESTS: m.JobRequest,
         JOB_EVENTS: m.JobEvent,
         ROLLOUT_WORK: m.RolloutWork,

@@ -7,7 +7,7 @@ from typing import ClassVar, Literal
 
 from pydantic import Field, NonNegativeInt, model_validator
 
-from rlnode.messages.base import Envelope, StrictModel, schema_tag
+from rlnode.messages.base import Envelope, StrictModel
 
 
 class ParityProbe(StrictModel):
@@ -28,7 +28,7 @@ class ParityProbe(StrictModel):
 
 
 class WeightVersion(Envelope):
-    SCHEMA: ClassVar[str] = schema_tag("WeightVersion", 1)
+    SCHEMA: ClassVar[Literal["rlnode.WeightVersion/1"]] = "rlnode.WeightVersion/1"
     schema_: Literal["rlnode.WeightVersion/1"] = Field(SCHEMA, alias="schema")
 
     version: NonNegativeInt

@@ -68,7 +68,7 @@ def build_model(
         bos_token_id=SPECIAL_TOKENS.index("<s>"),
         eos_token_id=SPECIAL_TOKENS.index("<|end|>"),
         pad_token_id=SPECIAL_TOKENS.index("<pad>"),
-        torch_dtype="float32",
+        dtype="float32",
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)

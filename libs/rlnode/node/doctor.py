@@ -10,6 +10,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 from aiokafka import AIOKafkaProducer
 from sqlalchemy import text
@@ -52,9 +53,7 @@ def run_checks(bootstrap: str, node: NodeSettings) -> list[CheckResult]:
         _check("database", lambda: _database(node)),
     ]
     for spec in SERVICES:
-        results.append(
-            _check(f"service {spec.name}", lambda spec=spec: _service(spec, node, bootstrap))
-        )
+        results.append(_check(f"service {spec.name}", partial(_service, spec, node, bootstrap)))
     return results
 
 

@@ -210,6 +210,7 @@ class LocalNode:
                 self._streak[key] = self._streak.get(key, 0) + 1
                 self.restarts[key] = self.restarts.get(key, 0) + 1
                 process.start()
+                assert process.proc is not None, "start() sets proc (or raises)"
                 said.append(
                     f"{key} started again (pid {process.proc.pid}, restart {self.restarts[key]})"
                 )

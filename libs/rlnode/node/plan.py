@@ -1,4 +1,4 @@
-"""The GPU plan (DESIGN.md §5): a pure function from the visible GPUs and a job's topology to
+"""The GPU plan (docs/architecture.md §5): a pure function from the visible GPUs and a job's topology to
 which GPUs each inference engine gets (tensor-parallel groups), which the learner trains on
 (data parallel), and where the reference model lives. Impossible requests raise PlanError
 with what would fit.
@@ -146,16 +146,17 @@ def make_plan(visible: int, topology: TopologySpec | None = None) -> GpuPlan:
         )
     dedicated = 1 if reference == "dedicated" else 0
     budget = visible - dedicated
-    if inference == "auto" and training == "auto":
-        if budget < 2:
-            raise PlanError(
-                f"a dedicated reference on {visible} GPU(s) leaves {budget} for inference and "
-                "training, which need one each; use reference 'inference' or 'trainer', or "
-                "more GPUs"
-            )
-        inference, training = _auto_split(budget, tp)
-    elif inference == "auto":
-        inference = (budget - training) // tp * tp
+    if inference == "auto":
+        if training == "auto":
+            if budget < 2:
+                raise PlanError(
+                    f"a dedicated reference on {visible} GPU(s) leaves {budget} for inference "
+                    "and training, which need one each; use reference 'inference' or "
+                    "'trainer', or more GPUs"
+                )
+            inference, training = _auto_split(budget, tp)
+        else:
+            inference = (budget - training) // tp * tp
     elif training == "auto":
         training = budget - inference
     if inference < 1 or training < 1:

@@ -44,7 +44,8 @@ def create_service_app(
     app.state.settings = settings
     app.state.service = service
     app.state.started_at = time.monotonic()
-    app.state.health_checks: dict[str, Callable[[], bool]] = {}
+    health_checks: dict[str, Callable[[], bool]] = {}
+    app.state.health_checks = health_checks
 
     @app.get(spec.health_path, tags=["ops"], summary="Liveness and readiness of this service")
     async def health() -> dict[str, Any]:

@@ -218,7 +218,7 @@ class VaultTokenVerifier(TokenVerifier):
         import httpx
 
         self.vault_url = vault_url.rstrip("/")
-        self._client = httpx.Client(base_url=self.vault_url, timeout=timeout_s)
+        self._http = httpx.Client(base_url=self.vault_url, timeout=timeout_s)
         self._revoked: frozenset[str] = frozenset()
         self._fetched_at = float("-inf")
         self._refresh_s = refresh_s
@@ -233,7 +233,7 @@ class VaultTokenVerifier(TokenVerifier):
         import httpx
 
         try:
-            response = self._client.get(path)
+            response = self._http.get(path)
             response.raise_for_status()
             return response.json()
         except (httpx.HTTPError, ValueError) as e:

@@ -83,9 +83,15 @@ def error_body(message: str, kind: str = "invalid_request_error", code: int | No
 class Sampled(Protocol):
     """One sampled choice: an engine's GenerationResult, or a generator's recorded turn."""
 
-    completion_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
+    # Read-only, so that a narrower type (TokenTurn's Literal finish_reason) matches too.
+    @property
+    def completion_ids(self) -> list[int]: ...
+
+    @property
+    def logprobs(self) -> list[float]: ...
+
+    @property
+    def finish_reason(self) -> str: ...
 
 
 def chat_completion(

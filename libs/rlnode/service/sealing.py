@@ -10,6 +10,7 @@ import hashlib
 
 from nacl.exceptions import CryptoError
 from nacl.public import PrivateKey, PublicKey, SealedBox
+from nacl.signing import VerifyKey
 
 SEALED_BOX_ALG = "libsodium.sealedbox.v1"
 SEAL_OVERHEAD = 48  # ephemeral public key (32) + MAC (16)
@@ -33,7 +34,8 @@ def public_key_from_b64(text: str) -> PublicKey:
     return PublicKey(raw)
 
 
-def public_key_b64(key: PublicKey) -> str:
+def public_key_b64(key: PublicKey | VerifyKey) -> str:
+    """A public key (X25519 for sealing, or the vault's Ed25519 verify key) as base64."""
     return base64.b64encode(bytes(key)).decode()
 
 

@@ -1,5 +1,5 @@
 """The Task App contract, wire-compatible with Synth's public SDK (synth_ai/task/contracts.py;
-DESIGN.md §8): the bodies of `/health`, `/info`, `/task_info` and `/rollout`.
+docs/architecture.md §8): the bodies of `/health`, `/info`, `/task_info` and `/rollout`.
 
 Requests we send carry every field that SDK requires. Responses we read are parsed
 leniently (unknown fields kept, optional ones defaulted) because Task Apps are user code

@@ -46,15 +46,15 @@ class InferenceClient:
         self.timeout_s = timeout_s
         # Pass a shared client where many episodes run: a new one opens new connections
         # (and, over TLS, builds an SSL context: ~50 ms of CPU) for every episode.
-        self._client = client or PooledHttp()
-        self._owns_client = client is None
+        self._http = client or PooledHttp()
+        self._owns_http = client is None
         self.calls = 0
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatResult:
         body = {"model": self.model, "messages": messages, **self.defaults}
         body.update({k: v for k, v in sampling.items() if v is not None})
         try:
-            response = await self._client.post(self.url, json=body, timeout_s=self.timeout_s)
+            response = await self._http.post(self.url, json=body, timeout_s=self.timeout_s)
         except HttpCallError as e:
             raise InferenceError(f"inference call to {self.url} failed: {e}") from e
         self.calls += 1
@@ -71,5 +71,5 @@ class InferenceClient:
         return ChatResult(text=text, finish_reason=choice.get("finish_reason"), raw=raw)
 
     async def aclose(self) -> None:
-        if self._owns_client:
-            await self._client.aclose()
+        if self._owns_http:
+            await self._http.aclose()

@@ -42,7 +42,10 @@ MAX_TASK_INFO_SEEDS = 256
 class Policy(Protocol):
     """What an episode asks for actions: OpenAI-style chat (`InferenceClient` over HTTP)."""
 
-    calls: int
+    @property
+    def calls(self) -> int:
+        """How many chat calls the episode has made so far."""
+        ...
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatResult: ...
 

@@ -11,6 +11,7 @@ import datetime
 import logging
 import os
 import socket
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
 
@@ -107,7 +108,7 @@ class DataParallelTrainer:
             )
         self.devices = list(devices)
         self.world = len(devices)
-        self._workers: list[mp.Process] = []
+        self._workers: list[BaseProcess] = []
         if self.world > 1:
             port = _free_port()
             context = mp.get_context("spawn")

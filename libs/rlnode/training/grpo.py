@@ -38,17 +38,17 @@ def group_advantages(
     """Advantage of each ok trajectory (by id): its reward minus its group's mean, divided by
     the group's standard deviation (population) when `scale_by_std`. A group whose rewards
     are all equal teaches nothing: its advantages are 0."""
-    groups: dict[str, list[Trajectory]] = defaultdict(list)
+    groups: dict[str, list[tuple[Trajectory, float]]] = defaultdict(list)  # with its reward
     for t in trajectories:
         if t.status == "ok" and t.reward is not None:
-            groups[t.group_id].append(t)
+            groups[t.group_id].append((t, t.reward))
     advantages: dict[str, float] = {}
     for members in groups.values():
-        rewards = [t.reward for t in members]
+        rewards = [reward for _, reward in members]
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        for t in members:
-            centred = t.reward - mean
+        for t, reward in members:
+            centred = reward - mean
             advantages[str(t.id)] = (
                 centred / (std + eps) if scale_by_std and std > 0 else (centred if std > 0 else 0.0)
             )

@@ -169,7 +169,7 @@ class JobRunner:
         if step <= self.issued:
             return
         t, seeds = self.config.training, self.config.seeds
-        work = []
+        work: list[RolloutWork] = []
         for prompt in range(t.prompts_per_step):
             index = step * t.prompts_per_step + prompt
             seed = seeds.start + (index % seeds.count if seeds.count else index)

@@ -161,17 +161,13 @@ class Trainer:
         self.device = device
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(
-            device
-        )
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        self.model = model.to(device)  # type: ignore[arg-type]  # transformers' stub of the @wraps(Module.to) method wants the model as its first argument
         self.model.train()
         self.reference = None
         if reference_on_trainer:
-            self.reference = (
-                AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-                .to(device)
-                .eval()
-            )
+            reference_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+            self.reference = reference_model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub of the @wraps(Module.to) method wants the model as its first argument
             self.reference.requires_grad_(False)
         self.rank, self.world = _world()
         self.wrapped = self.model
@@ -207,7 +203,7 @@ class Trainer:
         results = [self._optimizer_step(part) for part in parts]
         self.steps += 1
         tokens = sum(r.tokens for r in results)
-        kls = [r for r in results if r.kl is not None]
+        kls = [(r.kl, r.tokens) for r in results if r.kl is not None]
 
         def weighted(values: list[tuple[float, int]]) -> float:
             total = sum(n for _v, n in values)
@@ -215,7 +211,7 @@ class Trainer:
 
         return StepMetrics(
             loss=weighted([(r.loss, r.tokens) for r in results]),
-            kl=weighted([(r.kl, r.tokens) for r in kls]) if kls else None,
+            kl=weighted(kls) if kls else None,
             clip_fraction=weighted([(r.clip_fraction, r.tokens) for r in results]),
             ratio_mean=weighted([(r.ratio_mean, r.tokens) for r in results]),
             grad_norm=sum(r.grad_norm for r in results) / len(results),
@@ -292,10 +288,9 @@ class Trainer:
         )
 
     def _reference_logprobs(self, batch: list[Sample], width: int) -> torch.Tensor | None:
-        if all(
-            s.ref_logprobs is not None for s in batch
-        ):  # stacked on inference: they came with the data
-            return _padded([s.ref_logprobs for s in batch], width, self.device)
+        carried = [s.ref_logprobs for s in batch if s.ref_logprobs is not None]
+        if len(carried) == len(batch):  # stacked on inference: they came with the data
+            return _padded(carried, width, self.device)
         if self.reference is not None:
             with torch.no_grad(), self._autocast():
                 logprobs, _ = completion_logprobs(

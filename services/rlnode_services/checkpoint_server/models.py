@@ -70,8 +70,8 @@ class Checkpoints:
                 raise ModelProblem(
                     400, f"{which!r} is neither a step number nor 'latest'"
                 ) from None
-            record = next((r for r in available if r.step == step), None)
-            if record is None:
+            found = next((r for r in available if r.step == step), None)
+            if found is None:
                 steps = ", ".join(str(r.step) for r in available)
                 raise ModelProblem(
                     404,
@@ -79,6 +79,7 @@ class Checkpoints:
                     f"(or use {job_id}@latest)",
                     "not_found_error",
                 )
+            record = found
         path = local_path(record.uri, self.root)
         if path is None or not (path / "config.json").exists():
             raise ModelProblem(

@@ -7,13 +7,14 @@ from __future__ import annotations
 import secrets as pyrandom
 import threading
 import time
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from datetime import UTC, datetime
 
 from nacl.public import PrivateKey, PublicKey
 from nacl.signing import SigningKey
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from rlnode.messages import utc_now
 from rlnode.service.auth import (
@@ -125,11 +126,11 @@ class Vault:
                 s.add(VaultMeta(name="signing_key_wrapped", value=data_key))
                 s.add(VaultMeta(name="signing_key_ciphertext", value=ciphertext))
             else:
-                ciphertext = s.get(VaultMeta, "signing_key_ciphertext")
-                if ciphertext is None:
+                ciphertext_row = s.get(VaultMeta, "signing_key_ciphertext")
+                if ciphertext_row is None:
                     raise MasterKeyError("the vault's signing key is incomplete in the database")
                 self.signing_key = SigningKey(
-                    self.wrapper.unwrap(wrapped.value, ciphertext.value, "vault:signing-key")
+                    self.wrapper.unwrap(wrapped.value, ciphertext_row.value, "vault:signing-key")
                 )
         self.verifier = TokenVerifier(self.signing_key.verify_key, is_revoked=self.is_revoked)
 
@@ -240,7 +241,7 @@ class Vault:
         if s.get(Org, org_id) is None:
             raise NotFound(f"no org {org_id!r}")
         key = s.exec(
-            select(OrgKey).where(OrgKey.org_id == org_id, OrgKey.retired_at.is_(None))  # type: ignore[union-attr]
+            select(OrgKey).where(OrgKey.org_id == org_id, col(OrgKey.retired_at).is_(None))
         ).first()
         if key is None:
             raise NotFound(f"org {org_id!r} has no current key")
@@ -258,7 +259,7 @@ class Vault:
         kind: str,
         subject: str,
         org_id: str | None,
-        scopes: frozenset[str] | set[str],
+        scopes: AbstractSet[str],
         ttl_s: int | None,
         actor: Actor,
     ) -> IssuedTokenResult:
@@ -318,7 +319,7 @@ class Vault:
                 s.exec(
                     select(IssuedToken)
                     .where(IssuedToken.org_id == org_id)
-                    .order_by(IssuedToken.issued_at)
+                    .order_by(col(IssuedToken.issued_at))
                 )
             )
 
@@ -326,10 +327,9 @@ class Vault:
         """Revoke one of `org_id`'s tokens (or a service token when `org_id` is None)."""
         with session_scope(self.engine) as s:
             record = s.get(IssuedToken, token_id)
-            belongs = record is not None and (
+            if record is None or not (
                 record.org_id == org_id if org_id is not None else record.kind == "service"
-            )
-            if not belongs:
+            ):
                 raise NotFound(f"no token {token_id!r} here")
             if record.revoked_at is None:
                 record.revoked_at = utc_now()
@@ -347,8 +347,8 @@ class Vault:
         with Session(self.engine) as s:
             rows = s.exec(
                 select(IssuedToken.token_id).where(
-                    IssuedToken.revoked_at.is_not(None),
-                    IssuedToken.expires_at > now,  # type: ignore[union-attr]
+                    col(IssuedToken.revoked_at).is_not(None),
+                    col(IssuedToken.expires_at) > now,
                 )
             )
             return sorted(rows)
@@ -462,6 +462,9 @@ class Vault:
         with session_scope(self.engine) as s:
             secret = self._find_secret(s, org_id, name)
             key = s.get(OrgKey, secret.key_id)
+            # A secret's key_id is a foreign key, and key rows are never deleted (retiring one
+            # keeps its row), so the key a secret was sealed to is always there.
+            assert key is not None, f"secret {name!r} names key {secret.key_id!r}, which is gone"
             value = open_sealed(secret.ciphertext, self._private_key(key))
             sealed = seal(value, recipient)
             del value
@@ -486,7 +489,7 @@ class Vault:
             query = select(AuditRecord).where(AuditRecord.org_id == org_id)
             if action:
                 query = query.where(AuditRecord.action == action)
-            return list(s.exec(query.order_by(AuditRecord.id.desc()).limit(limit)))  # type: ignore[union-attr]
+            return list(s.exec(query.order_by(col(AuditRecord.id).desc()).limit(limit)))
 
     @staticmethod
     def _audit(

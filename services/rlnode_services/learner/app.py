@@ -7,7 +7,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from rlnode.bus import Bus
 from rlnode.messages import topics
@@ -43,7 +43,7 @@ def create_app(settings: LearnerSettings) -> FastAPI:
     async def jobs() -> list[dict[str, Any]]:
         """The jobs this learner owns, newest first (for operators; users watch job-events)."""
         with Session(engine) as s:
-            records = s.exec(select(JobRecord).order_by(JobRecord.created_at.desc())).all()  # type: ignore[attr-defined]
+            records = s.exec(select(JobRecord).order_by(col(JobRecord.created_at).desc())).all()
         return [
             {
                 "job_id": r.job_id,

@@ -10,7 +10,7 @@ import logging
 
 from aiokafka.errors import KafkaError
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, select
+from sqlmodel import Session, col, select
 
 from rlnode.bus import Bus, Delivery, Subscription
 from rlnode.messages import (
@@ -64,10 +64,10 @@ class JobManager:
             active = list(
                 s.exec(
                     select(JobRecord)
-                    .where(JobRecord.status.in_(ACTIVE))
-                    .order_by(JobRecord.created_at)
+                    .where(col(JobRecord.status).in_(ACTIVE))
+                    .order_by(col(JobRecord.created_at))
                 )
-            )  # type: ignore[attr-defined]
+            )
         for record in active:  # jobs this learner owned before it stopped
             await self._start_or_queue(record)
         self.trajectories = self.bus.subscribe(
@@ -97,6 +97,8 @@ class JobManager:
         if request.action == "cancel":
             await self._cancel(request)
             return
+        config = request.config
+        assert config is not None, "a 'start' request has a config (JobRequest validates it)"
         with Session(self.engine) as s:
             existing = s.get(JobRecord, request.job_id)
         if existing is not None:
@@ -108,7 +110,7 @@ class JobManager:
         record = JobRecord(
             job_id=request.job_id,
             org_id=request.org_id,
-            config=json.dumps(request.config.model_dump(mode="json")),
+            config=json.dumps(config.model_dump(mode="json")),
             status="queued",
         )
         with session_scope(self.engine) as s:
@@ -118,7 +120,7 @@ class JobManager:
             record.org_id,
             JobEventType.ACCEPTED,
             "accepted",
-            AcceptedData(steps=request.config.training.steps),
+            AcceptedData(steps=config.training.steps),
         )
         await self._start_or_queue(record)
 
@@ -132,6 +134,7 @@ class JobManager:
             )
             return
         config = JobConfig.model_validate_json(record.config)
+        job_id = record.job_id
         runner = JobRunner(
             record.job_id,
             record.org_id,
@@ -141,7 +144,7 @@ class JobManager:
             self.settings.device_list,
             self.settings.step_timeout_s,
             source=self.bus.service,
-            on_progress=lambda step, job_id=record.job_id: self._set(job_id, step=step),
+            on_progress=lambda step: self._set(job_id, step=step),
         )
         self.runners[record.job_id] = runner
         self._set(record.job_id, status="running")
@@ -202,7 +205,9 @@ class JobManager:
     async def _start_next_queued(self) -> None:
         with Session(self.engine) as s:
             queued = s.exec(
-                select(JobRecord).where(JobRecord.status == "queued").order_by(JobRecord.created_at)
+                select(JobRecord)
+                .where(JobRecord.status == "queued")
+                .order_by(col(JobRecord.created_at))
             ).first()
         if queued is not None and len(self.runners) < self.capacity:
             await self._start_or_queue(queued)

@@ -55,7 +55,10 @@ class EnginePool:
         self.latest: dict[str, WeightVersion] = {}  # newest version seen per job, loaded or not
 
     def _create(self, source: str) -> Engine:
-        options = {"device": self.settings.device, "dtype": self.settings.dtype}
+        options: dict[str, str | int | float] = {
+            "device": self.settings.device,
+            "dtype": self.settings.dtype,
+        }
         if self.settings.engine == "torch":
             options |= {
                 "max_batch_size": self.settings.max_batch_size,

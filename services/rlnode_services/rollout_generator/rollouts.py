@@ -133,11 +133,13 @@ class RolloutRunner:
                 work.job_id, work.policy_version, self.settings.weights_wait_s
             )
             self.registry.add(rollout)
-            failure = await self._run_on_gateway(rollout)
-            if failure is None and rollout.outcome is not None:
+            gateway_failure = await self._run_on_gateway(rollout)
+            if gateway_failure is None and rollout.outcome is not None:
                 return await self._trajectory(rollout, started)
             return self._failed(
-                rollout, failure or RolloutFailure(kind="internal", message="no outcome"), started
+                rollout,
+                gateway_failure or RolloutFailure(kind="internal", message="no outcome"),
+                started,
             )
         except asyncio.CancelledError:
             raise

@@ -8,6 +8,7 @@ import logging
 
 from rlnode.bus import Bus, Delivery
 from rlnode.messages import JobEvent, JobEventType, WeightVersion
+from rlnode.messages.jobs import WeightsLoadedData, WeightsRefusedData
 from rlnode_services.rollout_generator.engines import EnginePool, WeightsRefused
 from rlnode_services.rollout_generator.settings import GeneratorSettings
 
@@ -72,13 +73,13 @@ class WeightSync:
             self._refused.add(key)
             log.warning("refused weights v%d of %s: %s", version.version, version.job_id, e)
             await self.bus.publish(
-                JobEvent(
-                    job_id=version.job_id,
-                    org_id=version.org_id,
-                    type=JobEventType.WEIGHTS_REFUSED,
-                    source=self.bus.service,
-                    message=f"generator {generator} refused weights v{version.version}: {e}",
-                    data={"version": version.version, "generator": generator, "reason": str(e)},
+                JobEvent.of(
+                    version.job_id,
+                    version.org_id,
+                    self.bus.service,
+                    JobEventType.WEIGHTS_REFUSED,
+                    f"generator {generator} refused weights v{version.version}: {e}",
+                    WeightsRefusedData(version=version.version, generator=generator, reason=str(e)),
                 )
             )
             return
@@ -88,21 +89,19 @@ class WeightSync:
             return  # someone else loaded it meanwhile
         ok = diff <= self.settings.probe_tolerance
         await self.bus.publish(
-            JobEvent(
-                job_id=version.job_id,
-                org_id=version.org_id,
-                type=JobEventType.WEIGHTS_LOADED,
-                source=self.bus.service,
-                message=(
-                    f"generator {generator} loaded v{version.version} in {seconds:.3f}s; parity probe "
-                    f"max |Δlogprob| {diff:.2e} ({'ok' if ok else 'OVER tolerance'})"
+            JobEvent.of(
+                version.job_id,
+                version.org_id,
+                self.bus.service,
+                JobEventType.WEIGHTS_LOADED,
+                f"generator {generator} loaded v{version.version} in {seconds:.3f}s; parity probe "
+                f"max |Δlogprob| {diff:.2e} ({'ok' if ok else 'OVER tolerance'})",
+                WeightsLoadedData(
+                    version=version.version,
+                    generator=generator,
+                    load_s=seconds,
+                    probe_max_abs_diff=diff,
+                    probe_ok=ok,
                 ),
-                data={
-                    "version": version.version,
-                    "generator": generator,
-                    "load_s": seconds,
-                    "probe_max_abs_diff": diff,
-                    "probe_ok": ok,
-                },
             )
         )

@@ -40,7 +40,7 @@ class RolloutCall:
 
 
 def _refusal_looks_like_auth(status: int, body: str) -> bool:
-    # Synth's SDK answers a wrong key with 400 "unauthorised" (DESIGN.md §8).
+    # Synth's SDK answers a wrong key with 400 "unauthorised" (docs/architecture.md §8).
     if status in (401, 403):
         return True
     text = body.lower()
