@@ -48,8 +48,8 @@ def test_nothing_points_outside_the_repository() -> None:
     outside = []
     for name in TRACKED:
         path = ROOT / name
-        if path.suffix in {".png", ".json"} or not path.is_file():
-            continue
+        if path.suffix in {".png", ".json"} or not path.is_file() or path == Path(__file__):
+            continue  # binary or generated files, and this test's own needles
         text = path.read_text(errors="replace")
         for needle in ("../shared", "DESIGN.md", "STYLE.md"):
             if needle in text:

@@ -117,8 +117,9 @@ async def test_a_resumed_loop_reissues_the_same_work_and_trains_nothing_twice(ti
     job = config(tiny_model, steps=4, max_async=1, checkpoint_every=2)
     first = Loop(tiny_model, tmp_path, job)
     task = asyncio.create_task(first.run())
-    await eventually(lambda: first.runner.step >= 3, 60, "past the checkpoint at step 2")
-    task.cancel()  # the learner dies: no cancel checkpoint, the job stays running
+    # The learner dies right after step 3, past the checkpoint at step 2: no cancel
+    # checkpoint, the job stays running.
+    first.runner.on_progress = lambda step: task.cancel() if step == 3 else None
     with pytest.raises(asyncio.CancelledError):
         await task
     assert [c["step"] for c in first.events(JobEventType.CHECKPOINT_SAVED)] == [2]

@@ -113,7 +113,10 @@ def chat_completion(
         }
         for i, (s, text) in enumerate(zip(sampled, texts, strict=True))
     ]
-    return _response("chatcmpl", "chat.completion", model, choices, prompt_tokens, sampled)
+    return _head("chatcmpl", "chat.completion", model) | {
+        "choices": choices,
+        "usage": usage(prompt_tokens, sum(len(s.completion_ids) for s in sampled)),
+    }
 
 
 def text_completion(
@@ -134,24 +137,19 @@ def text_completion(
         }
         for i, (s, text) in enumerate(zip(sampled, texts, strict=True))
     ]
-    return _response("cmpl", "text_completion", model, choices, prompt_tokens, sampled)
+    return _head("cmpl", "text_completion", model) | {
+        "choices": choices,
+        "usage": usage(prompt_tokens, sum(len(s.completion_ids) for s in sampled)),
+    }
 
 
-def _response(
-    prefix: str,
-    kind: str,
-    model: str,
-    choices: list[dict[str, Any]],
-    prompt_tokens: int,
-    sampled: Sequence[Sampled],
-) -> dict[str, Any]:
+def _head(prefix: str, kind: str, model: str) -> dict[str, Any]:
+    """What a response (or every chunk of a stream) starts with."""
     return {
         "id": f"{prefix}-{uuid.uuid4().hex}",
         "object": kind,
         "created": int(time.time()),
         "model": model,
-        "choices": choices,
-        "usage": usage(prompt_tokens, sum(len(s.completion_ids) for s in sampled)),
     }
 
 
@@ -193,12 +191,7 @@ def chat_chunks(
     model: str, tokenizer: Any, sampled: Sequence[Sampled], texts: Sequence[str]
 ) -> Iterator[dict[str, Any]]:
     """A chat completion as `chat.completion.chunk`s: a role delta, the text, the finish."""
-    head = {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion.chunk",
-        "created": int(time.time()),
-        "model": model,
-    }
+    head = _head("chatcmpl", "chat.completion.chunk", model)
     for i, (s, text) in enumerate(zip(sampled, texts, strict=True)):
         yield head | {
             "choices": [
@@ -215,12 +208,7 @@ def chat_chunks(
 def completion_chunks(
     model: str, tokenizer: Any, sampled: Sequence[Sampled], texts: Sequence[str]
 ) -> Iterator[dict[str, Any]]:
-    head = {
-        "id": f"cmpl-{uuid.uuid4().hex}",
-        "object": "text_completion",
-        "created": int(time.time()),
-        "model": model,
-    }
+    head = _head("cmpl", "text_completion", model)
     for i, (s, text) in enumerate(zip(sampled, texts, strict=True)):
         for piece in _pieces(tokenizer, s, text):
             yield head | {

@@ -11,18 +11,16 @@ loop's fast tests."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 from rlnode.engine import Engine, EngineError, render_chat
 from rlnode.engine.turns import sample_turn
 from rlnode.messages import RolloutFailure, RolloutWork, TokenTurn, Trajectory, WeightVersion
+from rlnode.messages.weights import sha256_of
 from rlnode.service.openai_api import stops
 from rlnode.taskapp.bridge import rollout_request, trajectory
 from rlnode.taskapp.contract import NormalisedRollout
@@ -90,8 +88,8 @@ class InProcessGenerator:
             task.add_done_callback(self._tasks.discard)
 
     async def on_weights(self, version: WeightVersion) -> None:
-        path = Path(unquote(urlparse(version.uri).path))
-        digest = await asyncio.to_thread(_sha256, path)
+        path = version.path
+        digest = await asyncio.to_thread(sha256_of, path)
         if digest != version.sha256:
             raise EngineError(f"weights v{version.version}: sha256 of {path.name} does not match")
         await self.engine.load_weights(path, version.version)
@@ -124,11 +122,3 @@ class InProcessGenerator:
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -5,7 +5,6 @@ gloo on the CPU), bf16 autocast on GPU; and the files it produces (weights, chec
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import random
@@ -19,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rlnode.messages import JobConfig, SamplingSpec, TrainingSpec
+from rlnode.messages.weights import sha256_of
 from rlnode.training.grpo import Sample, clipped_objective
 
 
@@ -329,11 +329,7 @@ class Trainer:
         _fsync(temporary)
         os.replace(temporary, path)
         _fsync_dir(path.parent)
-        digest = hashlib.sha256()
-        with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
-        return digest.hexdigest(), path.stat().st_size
+        return sha256_of(path), path.stat().st_size
 
     def save_checkpoint(self, directory: Path, state: dict[str, Any]) -> Path:
         """A full checkpoint (model and tokenizer in HF format, optimizer, trainer and job

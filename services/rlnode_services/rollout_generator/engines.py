@@ -4,15 +4,13 @@ learner publishes), and a frozen reference copy when the reference is stacked he
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from rlnode.engine import Engine, EngineError, create_engine
 from rlnode.messages import ModelSpec, WeightVersion
+from rlnode.messages.weights import sha256_of
 from rlnode_services.rollout_generator.settings import GeneratorSettings
 
 log = logging.getLogger("rollout_generator.engines")
@@ -30,21 +28,6 @@ class JobEngines:
     pending: WeightVersion | None = None
     loaded_version: int = 0
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-
-def path_of(uri: str) -> Path:
-    parsed = urlparse(uri)
-    if parsed.scheme != "file":
-        raise WeightsRefused(f"only file:// weights are supported, not {uri!r}")
-    return Path(unquote(parsed.path))
-
-
-def sha256_of(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 class EnginePool:
@@ -98,7 +81,7 @@ class EnginePool:
         async with engines.lock:
             if version.version <= engines.loaded_version:
                 return 0.0, 0.0
-            path = path_of(version.uri)
+            path = version.path
             if not path.is_file():
                 raise WeightsRefused(f"no weights file at {path}")
             actual = await asyncio.to_thread(sha256_of, path)
