@@ -206,10 +206,17 @@ class Subscription(Generic[M]):
             await self._commit_quietly()
 
     async def _fetch(self, max_records: int) -> list[ConsumerRecord]:
-        if self._reader is not None:
-            return await self._reader.fetch(max_records=max_records)
-        assert self._consumer is not None
-        batches = await self._consumer.getmany(timeout_ms=500, max_records=max_records)
+        try:
+            if self._reader is not None:
+                return await self._reader.fetch(max_records=max_records)
+            assert self._consumer is not None
+            batches = await self._consumer.getmany(timeout_ms=500, max_records=max_records)
+        except KafkaError as e:
+            # aiokafka retries the transient itself; what reaches here is logged and fetched
+            # again, rather than ending the loop while the service looks healthy.
+            log.error("%s: fetching %s failed (%s); trying again", self.bus.service, self.topic, e)
+            await asyncio.sleep(1.0)
+            return []
         return [record for batch in batches.values() for record in batch]
 
     async def _handle(self, record: ConsumerRecord) -> None:

@@ -1,0 +1,127 @@
+"""The checkpoint-server's read routes: your org's jobs (as their events tell), their
+metrics, checkpoints and checkpoint files. Another org's job is a 404, as if absent."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Query
+from fastapi.responses import FileResponse
+from sqlalchemy.engine import Engine
+from sqlmodel import Session, col, select
+
+from rlnode.service.auth import Scope
+from rlnode_services.checkpoint_server.access import Caller, need, org_of
+from rlnode_services.checkpoint_server.index import local_path, metrics_path
+from rlnode_services.checkpoint_server.models import Checkpoints, ModelProblem
+from rlnode_services.checkpoint_server.store import CheckpointRecord, JobSummary
+
+
+def listing_routes(db: Engine, root: Path, checkpoints: Checkpoints) -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/v1/checkpoints", tags=["checkpoints"])
+    async def list_checkpoints(
+        claims: Caller, job: Annotated[str | None, Query()] = None
+    ) -> list[dict[str, Any]]:
+        """Your org's checkpoints (of one job with ?job=), oldest first."""
+        need(claims, Scope.JOBS_READ)
+        return [
+            {
+                "job_id": r.job_id,
+                "step": r.step,
+                "model": r.model,
+                "uri": r.uri,
+                "final": r.final,
+                "on_disk": (p := local_path(r.uri, root)) is not None and p.exists(),
+                "created_at": r.created_at.isoformat(),
+            }
+            for r in checkpoints.of_job(org_of(claims), job)
+        ]
+
+    @router.get("/v1/checkpoints/{job_id}/{step}/files", tags=["checkpoints"])
+    async def list_files(claims: Caller, job_id: str, step: str) -> list[dict[str, Any]]:
+        need(claims, Scope.JOBS_READ)
+        _record, path = checkpoints.resolve(org_of(claims), f"{job_id}@{step}")
+        return [
+            {"name": f.name, "size_bytes": f.stat().st_size}
+            for f in sorted(path.iterdir())
+            if f.is_file()
+        ]
+
+    @router.get("/v1/checkpoints/{job_id}/{step}/files/{name}", tags=["checkpoints"])
+    async def download(claims: Caller, job_id: str, step: str, name: str) -> FileResponse:
+        need(claims, Scope.JOBS_READ)
+        _record, path = checkpoints.resolve(org_of(claims), f"{job_id}@{step}")
+        files = {f.name: f for f in path.iterdir() if f.is_file()}  # never a path from the URL
+        if name not in files:
+            raise ModelProblem(
+                404,
+                f"checkpoint {job_id}@{step} has no file {name!r}; it has {', '.join(sorted(files))}",
+                "not_found_error",
+            )
+        return FileResponse(files[name], filename=name)
+
+    @router.get("/v1/models", tags=["inference"])
+    async def models(claims: Caller) -> dict[str, Any]:
+        """OpenAI's model list: every checkpoint, and `<job>@latest` per job."""
+        need(claims, Scope.INFERENCE)
+        data, latest = [], {}
+        for r in checkpoints.of_job(org_of(claims), None):
+            entry = {
+                "id": r.model,
+                "object": "model",
+                "created": int(r.created_at.timestamp()),
+                "owned_by": r.org_id,
+            }
+            data.append(entry)
+            latest[r.job_id] = {**entry, "id": f"{r.job_id}@latest"}
+        return {"object": "list", "data": data + list(latest.values())}
+
+    @router.get("/v1/jobs", tags=["jobs"])
+    async def jobs(claims: Caller) -> list[dict[str, Any]]:
+        """Your org's jobs, newest first, as their events tell."""
+        need(claims, Scope.JOBS_READ)
+        with Session(db) as s:
+            rows = s.exec(
+                select(JobSummary)
+                .where(JobSummary.org_id == org_of(claims))
+                .order_by(col(JobSummary.created_at).desc())
+            ).all()
+        return [_summary(r) for r in rows]
+
+    @router.get("/v1/jobs/{job_id}", tags=["jobs"])
+    async def job(claims: Caller, job_id: str) -> dict[str, Any]:
+        need(claims, Scope.JOBS_READ)
+        with Session(db) as s:
+            row = s.get(JobSummary, job_id)
+            ckpts = s.exec(select(CheckpointRecord).where(CheckpointRecord.job_id == job_id)).all()
+        if row is None or row.org_id != org_of(claims):
+            raise ModelProblem(404, f"no job {job_id!r} in your org", "not_found_error")
+        return {**_summary(row), "checkpoints": sorted(c.step for c in ckpts)}
+
+    @router.get("/v1/jobs/{job_id}/metrics", tags=["jobs"])
+    async def metrics(claims: Caller, job_id: str) -> FileResponse:
+        """Every train.step of the job, one JSON object per line."""
+        await job(claims, job_id)
+        path = metrics_path(root, job_id)
+        if not path.exists():
+            raise ModelProblem(404, f"job {job_id!r} has no training steps yet", "not_found_error")
+        return FileResponse(path, media_type="application/x-ndjson")
+
+    return router
+
+
+def _summary(row: JobSummary) -> dict[str, Any]:
+    return {
+        "job_id": row.job_id,
+        "status": row.status,
+        "step": row.step,
+        "total_steps": row.total_steps,
+        "reward_mean": row.reward_mean,
+        "loss": row.loss,
+        "reason": row.reason,
+        "created_at": row.created_at.isoformat(),
+        "updated_at": row.updated_at.isoformat(),
+    }
