@@ -1,8 +1,12 @@
-"""The `rlnode` command line.
+"""`rlnode up|status|down|plan|demo|doctor|broker|topics|model`: the node and its parts.
 
-rlnode doctor          check the node's plumbing on the embedded defaults
-rlnode broker          run the embedded broker in the foreground
-rlnode topics create   create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
+rlnode up | status | down     run a node (supervised), look at it, stop it
+rlnode plan --gpus N          how the GPUs are split (--emit compose: the compose override)
+rlnode demo                   bring a node up, train, ask the checkpoint, shut down
+rlnode doctor                 check the node's plumbing on the embedded defaults
+rlnode broker                 run the embedded broker in the foreground
+rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
+rlnode model init --out DIR   build the tiny model locally
 """
 
 from __future__ import annotations

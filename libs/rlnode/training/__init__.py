@@ -1,3 +1,4 @@
-"""The learner's training code, apart from Kafka and HTTP: GRPO-family advantages and loss,
-the trainer (optionally data parallel), weight publishing and checkpoints. The learner
-service drives it; benchmarks call it in-process."""
+"""Training, apart from Kafka and HTTP: GRPO-family advantages and loss (`grpo`), the trainer
+with micro-batches and data parallelism (`trainer`, `distributed`), one job's loop
+(`loop.JobRunner`) behind a transport (`transport`: the bus in the learner, memory in tests
+and benchmarks), and the in-process generator that feeds it without a node (`inprocess`)."""
