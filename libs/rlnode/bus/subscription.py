@@ -121,12 +121,15 @@ class Subscription(Generic[M]):
                 from_beginning=self.from_beginning,
                 **self._consumer_options,
             )
-            consumer.subscribe([self.topic], listener=_Rebalance(self))
             try:
                 await consumer.start()
             except (KafkaConnectionError, OSError) as e:
                 await consumer.stop()
                 raise unreachable(self.bus.settings.bootstrap_servers, e) from e
+            # Subscribed after the start, so that the group is joined in the background: a
+            # consumer subscribed before would make `start` wait for the group's assignment
+            # (seconds on a busy group), and a service would not answer its health check.
+            consumer.subscribe([self.topic], listener=_Rebalance(self))
             self._consumer = consumer
         self._loop = asyncio.create_task(self._run(), name=f"consume {self.topic}")
 
@@ -144,8 +147,16 @@ class Subscription(Generic[M]):
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
         if self._consumer is not None:
-            with contextlib.suppress(KafkaError):
-                await self.commit()
+            # A fetch cancelled above may have closed the connection: a second try reconnects.
+            for attempt in (1, 2):
+                try:
+                    await self.commit()
+                    break
+                except KafkaError as e:
+                    if attempt == 2:
+                        log.warning(
+                            "%s: final commit on %s failed: %s", self.bus.service, self.topic, e
+                        )
             with contextlib.suppress(Exception):
                 await self._consumer.stop()
             self._consumer = None
@@ -182,7 +193,7 @@ class Subscription(Generic[M]):
     # -- the loop ----------------------------------------------------------------------
 
     async def _run(self) -> None:
-        while True:
+        while not self._stopping:
             free = self.concurrency - len(self._in_flight)
             if free <= 0:
                 await asyncio.wait(set(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
@@ -190,6 +201,8 @@ class Subscription(Generic[M]):
                 continue
             records = await self._fetch(free)
             for record in records:
+                if self._stopping:
+                    break  # fetched during shutdown: not taken, so read again by the group
                 if self._consumer is not None:
                     self.ledger.track(TopicPartition(record.topic, record.partition), record.offset)
                 if self.concurrency == 1:
