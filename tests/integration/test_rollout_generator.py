@@ -575,7 +575,9 @@ async def test_sigterm_mid_run_exits_cleanly_and_leaves_unfinished_work_to_other
         trajectories = await collect(make_bus, job_id, len(items), within_s=120)
         assert second.stop() == 0
     assert {t.work_id for t in trajectories} == {w.id for w in items}
-    assert all(t.status == "ok" for t in trajectories), [t.failure for t in trajectories if t.failure]
+    assert all(t.status == "ok" for t in trajectories), [
+        t.failure for t in trajectories if t.failure
+    ]
     assert {t.generator for t in trajectories} == {"stopper", "finisher"}
     assert (
         "left uncommitted for another consumer of group"
