@@ -59,3 +59,43 @@ def test_settling_twice_or_an_unknown_offset_changes_nothing() -> None:
     ledger.settle(P1, 1)
     assert ledger.committable() == {P0: 8}
     assert ledger.committable() == {}
+
+
+def test_the_settled_check_is_asked_once_per_tag_not_per_record() -> None:
+    """A learner holds thousands of trajectories between checkpoints, a few steps' worth of
+    tags: each commit asks about the tags, and a settled tag is not asked about again."""
+    ledger: OffsetLedger[tuple[str, int]] = OffsetLedger()
+    for offset in range(1000):
+        ledger.track(P0, offset)
+        ledger.tag(P0, offset, ("job", offset // 250))  # four steps of 250
+    asked: list[tuple[str, int]] = []
+
+    def durable_up_to_step_1(tag: tuple[str, int]) -> bool:
+        asked.append(tag)
+        return tag[1] <= 1
+
+    ledger.settle_where(durable_up_to_step_1)
+    assert sorted(asked) == [("job", 0), ("job", 1), ("job", 2), ("job", 3)]
+    assert ledger.committable() == {P0: 500}
+    asked.clear()
+    ledger.settle_where(durable_up_to_step_1)
+    assert sorted(asked) == [("job", 2), ("job", 3)]
+
+
+def test_a_revoked_partitions_tags_are_dropped() -> None:
+    ledger: OffsetLedger[str] = OffsetLedger()
+    ledger.track(P0, 1)
+    ledger.tag(P0, 1, "a")
+    ledger.track(P1, 1)
+    ledger.tag(P1, 1, "a")
+    ledger.forget([P0])
+    asked: list[str] = []
+
+    def always(tag: str) -> bool:
+        asked.append(tag)
+        return True
+
+    ledger.settle_where(always)
+    assert asked == ["a"] and ledger.committable() == {P1: 2}
+    ledger.track(P0, 1)  # read again after the partition came back: not settled by the old tag
+    assert ledger.committable() == {} and ledger.open == 1

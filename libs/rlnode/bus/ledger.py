@@ -24,6 +24,9 @@ class OffsetLedger(Generic[Tag]):
         # because a partition's records are delivered in order.
         self._open: dict[TopicPartition, dict[int, Tag | None]] = {}
         self._settled: dict[TopicPartition, set[int]] = {}
+        # tag -> its open records, so `settle_where` asks once per tag (a job's step), not
+        # once per record: a learner holds thousands of records between checkpoints.
+        self._by_tag: dict[Tag, list[tuple[TopicPartition, int]]] = {}
 
     def track(self, partition: TopicPartition, offset: int) -> None:
         """A record was handed out; it holds back the commit position until settled."""
@@ -35,6 +38,7 @@ class OffsetLedger(Generic[Tag]):
         offsets = self._open.get(partition)
         if offsets is not None and offset in offsets:
             offsets[offset] = tag
+            self._by_tag.setdefault(tag, []).append((partition, offset))
 
     def settle(self, partition: TopicPartition, offset: int) -> None:
         if offset in self._open.get(partition, {}):
@@ -42,11 +46,9 @@ class OffsetLedger(Generic[Tag]):
 
     def settle_where(self, is_settled: Callable[[Tag], bool]) -> None:
         """Settle every tagged open record whose tag `is_settled` says is durable now."""
-        for partition, offsets in self._open.items():
-            settled = self._settled[partition]
-            for offset, tag in offsets.items():
-                if tag is not None and offset not in settled and is_settled(tag):
-                    settled.add(offset)
+        for tag in [t for t in self._by_tag if is_settled(t)]:
+            for partition, offset in self._by_tag.pop(tag):
+                self.settle(partition, offset)
 
     def committable(self) -> dict[TopicPartition, int]:
         """Per partition whose position advanced: the next offset to read (what Kafka
@@ -68,9 +70,16 @@ class OffsetLedger(Generic[Tag]):
         return positions
 
     def forget(self, partitions: Iterable[TopicPartition]) -> None:
-        for partition in partitions:
+        forgotten = set(partitions)
+        for partition in forgotten:
             self._open.pop(partition, None)
             self._settled.pop(partition, None)
+        for tag, records in list(self._by_tag.items()):
+            kept = [(p, o) for p, o in records if p not in forgotten]
+            if kept:
+                self._by_tag[tag] = kept
+            else:
+                del self._by_tag[tag]
 
     @property
     def open(self) -> int:

@@ -41,6 +41,7 @@ log = logging.getLogger("rlnode.bus")
 
 M = TypeVar("M", bound=BaseModel)
 CommitPolicy = Literal["on_return", "when_settled"]
+SEQUENTIAL_FETCH = 500  # records one fetch may bring when they are handled one at a time
 Handler = Callable[[M, "Delivery"], Awaitable[Any]]
 
 
@@ -199,7 +200,8 @@ class Subscription(Generic[M]):
                 await asyncio.wait(set(self._in_flight), return_when=asyncio.FIRST_COMPLETED)
                 await self._commit_quietly()
                 continue
-            records = await self._fetch(free)
+            # Handled one by one, a fetch may bring many (a commit per fetch, not per record).
+            records = await self._fetch(free if self.concurrency > 1 else SEQUENTIAL_FETCH)
             for record in records:
                 if self._stopping:
                     break  # fetched during shutdown: not taken, so read again by the group
