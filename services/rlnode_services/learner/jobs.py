@@ -153,45 +153,32 @@ class JobManager:
         )
 
     async def _drive(self, runner: JobRunner) -> None:
-        job_id, org_id = runner.job_id, runner.org_id
+        job_id = runner.job_id
         try:
             await runner.run()
         except JobCancelled:
-            self._set(job_id, status="cancelled")
-            await self._event(
-                job_id,
-                org_id,
+            reason = runner.cancel_reason
+            await self._end(
+                runner,
                 JobEventType.CANCELLED,
-                f"cancelled at step {runner.step}: {runner.cancel_reason}",
-                EndedData(reason=runner.cancel_reason, step=runner.step),
+                f"cancelled at step {runner.step}: {reason}",
+                EndedData(reason=reason, step=runner.step),
             )
         except JobFailed as e:
-            self._set(job_id, status="failed", reason=str(e))
-            await self._event(
-                job_id,
-                org_id,
-                JobEventType.FAILED,
-                str(e),
-                EndedData(reason=str(e), step=runner.step),
+            await self._end(
+                runner, JobEventType.FAILED, str(e), EndedData(reason=str(e), step=runner.step)
             )
         except asyncio.CancelledError:
             raise  # the learner is stopping: the job stays "running" and resumes on restart
         except Exception as e:
             log.exception("job %s failed", job_id)
             reason = f"the learner failed: {type(e).__name__}: {e}"
-            self._set(job_id, status="failed", reason=reason)
-            await self._event(
-                job_id,
-                org_id,
-                JobEventType.FAILED,
-                reason,
-                EndedData(reason=reason, step=runner.step),
+            await self._end(
+                runner, JobEventType.FAILED, reason, EndedData(reason=reason, step=runner.step)
             )
         else:
-            self._set(job_id, status="completed")
-            await self._event(
-                job_id,
-                org_id,
+            await self._end(
+                runner,
                 JobEventType.COMPLETED,
                 f"completed {runner.step} steps",
                 CompletedData(steps=runner.step),
@@ -273,6 +260,20 @@ class JobManager:
             reason,
             RejectedData(reason=reason, action=request.action),
         )
+
+    async def _end(
+        self, runner: JobRunner, kind: JobEventType, message: str, data: EventData
+    ) -> None:
+        """Record how a job ended (its status and, unless it completed, the reason) and
+        publish the matching terminal event."""
+        status = {
+            JobEventType.CANCELLED: "cancelled",
+            JobEventType.FAILED: "failed",
+            JobEventType.COMPLETED: "completed",
+        }[kind]
+        changes = {"reason": message} if kind is JobEventType.FAILED else {}
+        self._set(runner.job_id, status=status, **changes)
+        await self._event(runner.job_id, runner.org_id, kind, message, data)
 
     def _set(self, job_id: str, **changes) -> None:
         with session_scope(self.engine) as s:
