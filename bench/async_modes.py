@@ -21,7 +21,7 @@ from pathlib import Path
 from bench_common import copy_task_node, job_config, training_arguments, write_results
 
 from rlnode.messages import JobConfig, JobEventType
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 from rlnode.sdk.jobs import JobsClient
 
 MODES = (0, 1, 2)

@@ -19,7 +19,7 @@ import torch
 
 from rlnode.engine import GenerationRequest, render_chat
 from rlnode.engine.torch_engine import TorchEngine
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

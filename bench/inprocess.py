@@ -24,7 +24,7 @@ from bench_common import job_config, training_arguments
 from rlnode.engine.torch_engine import TorchEngine
 from rlnode.examples.taskapps import copy_task
 from rlnode.messages import JobConfig, JobEventType
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 from rlnode.training.inprocess import InProcessGenerator
 from rlnode.training.loop import JobRunner
 from rlnode.training.transport import InMemoryTransport

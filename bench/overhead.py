@@ -19,7 +19,7 @@ from async_modes import run_job
 from bench_common import copy_task_node, job_config, training_arguments, write_results
 from inprocess import loop_config, run_loop
 
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 from rlnode.sdk.jobs import JobsClient
 
 

@@ -28,7 +28,7 @@ from rlnode.bus.settings import KafkaSettings
 from rlnode.engine.torch_engine import TorchEngine
 from rlnode.messages import ParityProbe, TokenTurn, TrainingSpec, Trajectory, WeightVersion, topics
 from rlnode.messages.codec import decode, encode
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 from rlnode.training.trainer import Trainer, TrainerConfig
 
 

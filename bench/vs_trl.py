@@ -31,7 +31,7 @@ from bench_common import copy_task_node, job_config, training_arguments, write_r
 
 from rlnode.examples.taskapps import copy_task as COPY
 from rlnode.messages import JobEventType
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 from rlnode.sdk.jobs import JobsClient
 
 ENV_CONFIG = {"length": 3, "alphabet": "abc"}

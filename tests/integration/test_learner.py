@@ -15,7 +15,7 @@ from rlnode.bus import Bus
 from rlnode.bus.localbroker import free_port
 from rlnode.examples import example_job, task_app_path
 from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, topics
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 from rlnode.node.processes import ServiceProcess
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.service.registry import SERVICES_BY_NAME

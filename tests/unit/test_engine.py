@@ -1,16 +1,16 @@
-"""The torch engine on the tiny model: batching, sampling controls, logprobs, weight loads."""
+"""The torch engine on the tiny model: what only it does (its batch scheduler), and the
+tiny model itself. The contract both engines keep is in tests/integration/
+test_engine_conformance.py."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from rlnode.engine import EngineError, GenerationRequest, create_engine, render_chat
 from rlnode.engine.torch_engine import TorchEngine
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 
 
 @pytest.fixture(scope="module")
@@ -62,85 +62,7 @@ async def test_batching_off_serves_one_by_one(model_dir) -> None:
     assert engine.batches == 4
 
 
-async def test_temperature_zero_is_greedy_and_repeatable(engine) -> None:
-    prompt = _prompt(engine)
-    a = await engine.generate(GenerationRequest(prompt, max_tokens=5, temperature=0))
-    b = await engine.generate(GenerationRequest(prompt, max_tokens=5, temperature=0))
-    assert a.completion_ids == b.completion_ids and a.finish_reason == "length"
-    scored = engine.score_sync([prompt + a.completion_ids])[0][len(prompt) - 1 :]
-    assert scored == pytest.approx(a.logprobs, abs=1e-5)
-
-
-async def test_temperature_scales_the_logprobs(engine) -> None:
-    prompt = _prompt(engine)
-    hot = await engine.generate(GenerationRequest(prompt, max_tokens=4, temperature=2.0))
-    scored = engine.score_sync([prompt + hot.completion_ids], temperature=2.0)[0][len(prompt) - 1 :]
-    assert scored == pytest.approx(hot.logprobs, abs=1e-5)
-
-
-async def test_top_p_keeps_sampling_inside_the_nucleus(engine) -> None:
-    prompt = _prompt(engine)
-    with torch.inference_mode():
-        probs = torch.softmax(
-            engine.model(input_ids=torch.tensor([prompt])).logits[0, -1].float(), -1
-        )
-    ordered = probs.sort(descending=True)
-    cumulative = ordered.values.cumsum(0)
-    nucleus = set(ordered.indices[: int((cumulative < 0.2).sum()) + 1].tolist())
-    assert 1 <= len(nucleus) < len(probs) // 2  # a real restriction on this near-uniform model
-    results = await asyncio.gather(
-        *(engine.generate(GenerationRequest(prompt, max_tokens=1, top_p=0.2)) for _ in range(64))
-    )
-    sampled = {r.completion_ids[0] for r in results}
-    assert sampled <= nucleus and len(sampled) > 1
-
-
-async def test_stop_tokens_and_strings(engine) -> None:
-    prompt = _prompt(engine)
-    first = await engine.generate(GenerationRequest(prompt, max_tokens=1, temperature=0))
-    stopped = await engine.generate(
-        GenerationRequest(
-            prompt, max_tokens=5, temperature=0, stop_token_ids=[first.completion_ids[0]]
-        )
-    )
-    assert stopped.completion_ids == first.completion_ids and stopped.finish_reason == "stop"
-    text = engine.tokenizer.decode(first.completion_ids, skip_special_tokens=True)
-    if text:
-        by_string = await engine.generate(
-            GenerationRequest(prompt, max_tokens=5, temperature=0, stop=[text])
-        )
-        assert by_string.finish_reason == "stop" and len(by_string.completion_ids) == 1
-
-
-async def test_new_weights_apply_to_requests_after_the_load(engine, tmp_path) -> None:
-    prompt = _prompt(engine)
-    before = engine.score_sync([prompt])[0]
-    state = {k: (v + 0.1).contiguous() for k, v in engine.model.state_dict().items()}
-    save_file(state, str(tmp_path / "w.safetensors"))
-    seconds = await engine.load_weights(tmp_path / "w.safetensors", version=3)
-    assert seconds > 0 and engine.policy_version == 3
-    after = engine.score_sync([prompt])[0]
-    assert after != pytest.approx(before, abs=1e-3)
-    result = await engine.generate(GenerationRequest(prompt, max_tokens=2))
-    assert result.policy_version == 3
-
-
-async def test_weights_that_do_not_fit_are_refused(engine, tmp_path) -> None:
-    save_file({"not.a.layer": torch.zeros(3)}, str(tmp_path / "bad.safetensors"))
-    with pytest.raises(EngineError, match="do not fit the model"):
-        await engine.load_weights(tmp_path / "bad.safetensors", version=1)
-
-
-def test_vllm_engine_explains_how_to_get_vllm(model_dir) -> None:
-    pytest.importorskip("torch")
-    try:
-        import vllm  # noqa: F401
-
-        pytest.skip("vllm is installed here")
-    except ImportError:
-        pass
-    with pytest.raises(EngineError, match="pip install vllm"):
-        create_engine("vllm", model_dir)
+def test_an_unknown_engine_is_a_clear_error(model_dir) -> None:
     with pytest.raises(EngineError, match="unknown engine 'tensorrt'"):
         create_engine("tensorrt", model_dir)
 

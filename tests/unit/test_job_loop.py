@@ -15,7 +15,7 @@ from rlnode.engine.torch_engine import TorchEngine
 from rlnode.examples import example_job
 from rlnode.examples.taskapps import copy_task
 from rlnode.messages import JobConfig, JobEventType, RolloutWork, Trajectory
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 from rlnode.training.inprocess import InProcessGenerator
 from rlnode.training.loop import JobCancelled, JobRunner
 from rlnode.training.transport import InMemoryTransport

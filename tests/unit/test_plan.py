@@ -110,3 +110,47 @@ def test_rlnode_plan_prints_the_table_or_the_reason(capsys) -> None:
     assert main(["plan", "--gpus", "8", "--inference-gpus", "6", "--tensor-parallel", "4"]) == 1
     assert "does not divide 6" in capsys.readouterr().err
     assert main(["plan", "--gpus", "2", "--reference", "dedicated"]) == 1
+
+
+@pytest.mark.parametrize(
+    ("gpus", "reference", "policy", "stacked", "learner_gpus", "reference_device"),
+    [
+        (8, "inference", "0.6", "0.25", "6,7", None),
+        (8, "trainer", "0.85", None, "6,7", None),
+        (8, "dedicated", "0.85", None, "6,7", "cuda:1"),  # rank on 6, the reference on 7
+        (8, "none", "0.85", None, "6,7", None),
+        (1, "auto", "0.3", "0.15", "0", None),  # one GPU shared by all
+    ],
+)
+def test_each_process_gets_the_environment_of_its_placement(
+    monkeypatch, gpus, reference, policy, stacked, learner_gpus, reference_device
+) -> None:
+    from rlnode.node.local import plan_env
+    from rlnode_services.learner.settings import LearnerSettings
+    from rlnode_services.rollout_generator.settings import GeneratorSettings
+
+    plan = make_plan(gpus, topo(reference=reference))
+    generators, learner, serving = plan_env(plan)
+    assert len(generators) == len(plan.engines)
+    for engine, env in zip(plan.engines, generators, strict=True):
+        assert env["CUDA_VISIBLE_DEVICES"] == ",".join(map(str, engine))
+        assert env["GENERATOR_GPU_MEMORY_FRACTION"] == policy
+        assert env.get("GENERATOR_REFERENCE_GPU_MEMORY_FRACTION") == stacked
+        assert env["GENERATOR_REFERENCE_ON_INFERENCE"] == str(stacked is not None).lower()
+        if stacked is not None:  # the engines on one GPU fit in what the plan gives them
+            assert float(policy) + float(stacked) <= (0.45 if plan.shared else 0.85)
+        with monkeypatch.context() as m:
+            for key, value in env.items():
+                m.setenv(key, value)
+            settings = GeneratorSettings()
+        assert settings.engine == "vllm" and settings.gpu_memory_fraction == float(policy)
+    assert learner["CUDA_VISIBLE_DEVICES"] == learner_gpus
+    assert learner.get("LEARNER_REFERENCE_DEVICE") == reference_device
+    with monkeypatch.context() as m:
+        for key, value in learner.items():
+            m.setenv(key, value)
+        learner_settings = LearnerSettings()
+    assert learner_settings.reference_device == reference_device
+    visible = learner_settings.device_list + ([reference_device] if reference_device else [])
+    assert len(visible) == len(learner_gpus.split(","))  # every GPU it sees has a use
+    assert serving["CUDA_VISIBLE_DEVICES"] == str(plan.training[-1])

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from rlnode.engine.torch_engine import TorchEngine
 from rlnode.messages import TrainingSpec
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 from rlnode.training.distributed import DataParallelError, DataParallelTrainer
 from rlnode.training.grpo import Sample
 from rlnode.training.trainer import Trainer, TrainerConfig, micro_batches, minibatch_parts

@@ -259,24 +259,55 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _model_init(args: argparse.Namespace) -> int:
-    from rlnode.models.tiny import init_tiny_model
+    import json
 
-    out = init_tiny_model(
-        args.out, seed=args.seed, hidden=args.hidden, layers=args.layers, heads=args.heads
+    from rlnode.models.build import init_model
+
+    overrides = {
+        "hidden": args.hidden,
+        "layers": args.layers,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "tokenizer": args.tokenizer,
+    }
+    try:
+        out = init_model(args.out, args.preset, args.seed, **overrides)
+    except ValueError as e:
+        print(f"rlnode model init: {e}", file=sys.stderr)
+        return 2
+    about = json.loads((out / "rlnode-model.json").read_text())
+    print(
+        f"wrote a {about['architecture']} model ({about['parameters']:,} parameters, preset "
+        f"{args.preset}, {about['tokenizer']} tokenizer) to {out}"
     )
-    print(f"wrote a tiny Llama model and its tokenizer to {out}")
     return 0
 
 
 def register_model(commands: argparse._SubParsersAction) -> None:
+    from rlnode.models.build import PRESETS
+
     model = commands.add_parser("model", help="models")
     sub = model.add_subparsers(dest="model_command", required=True, metavar="ACTION")
     init = sub.add_parser(
-        "init", help="build a tiny random Llama model and tokenizer locally (HF format)"
+        "init",
+        help="build a model with random weights and its tokenizer locally (HF format)",
+        description="Presets: "
+        + "; ".join(
+            f"{name} ({s.architecture}, hidden {s.hidden}, {s.layers} layers, "
+            f"{s.heads}/{s.kv_heads} heads, {s.tokenizer})"
+            for name, s in PRESETS.items()
+        ),
     )
     init.add_argument("--out", type=Path, required=True)
+    init.add_argument(
+        "--preset", choices=list(PRESETS), default="tiny", help="architecture and shape"
+    )
     init.add_argument("--seed", type=int, default=0)
-    init.add_argument("--hidden", type=int, default=64)
-    init.add_argument("--layers", type=int, default=2)
-    init.add_argument("--heads", type=int, default=4)
+    init.add_argument("--hidden", type=int, default=None, help="override the preset's")
+    init.add_argument("--layers", type=int, default=None, help="override the preset's")
+    init.add_argument("--heads", type=int, default=None, help="override the preset's")
+    init.add_argument("--kv-heads", type=int, default=None, help="override the preset's")
+    init.add_argument(
+        "--tokenizer", choices=["char", "bpe"], default=None, help="override the preset's"
+    )
     init.set_defaults(run=_model_init)

@@ -1,10 +1,12 @@
 """The inference engine interface the rollout-generator (and the checkpoint-server) use.
-Two implementations: `TorchEngine` (CPU or GPU, the default) and `VLLMEngine` (GPU).
+Two implementations: `TorchEngine` (transformers, CPU or GPU) and `VLLMEngine` (vLLM's CUDA
+build on GPUs, its CPU build elsewhere); tests/engine_conformance holds both to this contract.
 
-Logprobs, everywhere in rlnode, are log-softmax of logits / temperature: the distribution
-the token was sampled from, before top-p truncation (temperature 0 means greedy, scored at
-temperature 1). The learner computes the same quantity, so the importance ratio is 1 when
-the weights are equal.
+A sampled token's logprob is its log-probability in the distribution it was drawn from:
+log-softmax of logits / temperature, renormalised over the top-p nucleus when top_p < 1
+(vLLM's "processed" logprobs; temperature 0 means greedy, scored at temperature 1). With
+top_p 1, the RL default, that is exactly what the learner computes, so the importance
+ratio is 1 when the weights are equal. `score` gives prompt logprobs at temperature 1.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Engine(Protocol):
     tokenizer: Any
     policy_version: int
     model_path: Path
+    closed: bool
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Sample a completion; concurrent calls are batched together."""
@@ -51,12 +54,30 @@ class Engine(Protocol):
         """Load a safetensors state dict between batches (never during one); returns the
         seconds it took. Requests after it see `version`."""
 
-    async def score(
-        self, sequences: list[list[int]], temperature: float = 1.0
-    ) -> list[list[float]]:
-        """For each sequence, the logprob of every token after the first given those before it."""
+    async def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        """For each sequence, the logprob of every token after the first given those before
+        it (temperature 1)."""
 
     async def close(self) -> None: ...
+
+
+# Tied embeddings: some writers save the output projection, others leave it to the input one.
+_TIED_OUTPUT = "lm_head.weight"
+
+
+def check_weights_fit(
+    expected: dict[str, tuple[int, ...]], offered: dict[str, tuple[int, ...]]
+) -> None:
+    """Refuse weights whose tensor names or shapes differ from the model's, before any reaches
+    the engine (a wrong shape inside vLLM's reload takes its worker down)."""
+    missing = sorted(k for k in expected.keys() - offered.keys() if k != _TIED_OUTPUT)
+    unexpected = sorted(k for k in offered.keys() - expected.keys() if k != _TIED_OUTPUT)
+    reshaped = sorted(k for k in expected.keys() & offered.keys() if expected[k] != offered[k])
+    if missing or unexpected or reshaped:
+        raise EngineError(
+            f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}, "
+            f"other shapes {reshaped[:5]}"
+        )
 
 
 def cut_at_stop(text: str, stop: list[str]) -> str:

@@ -12,7 +12,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from rlnode.engine.base import EngineError, FinishReason, GenerationRequest, GenerationResult
+from rlnode.engine.base import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    check_weights_fit,
+)
 
 log = logging.getLogger("rlnode.engine.torch")
 
@@ -82,10 +88,13 @@ class TorchEngine:
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
         self._scheduler: asyncio.Task | None = None
         self._model_lock = asyncio.Lock()  # held by a batch and by a weight load: never both
+        self.closed = False
 
     # -- public interface --------------------------------------------------------------
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if self.closed:
+            raise EngineError("the engine was closed")
         if not request.prompt_ids:
             raise EngineError("empty prompt")
         if self._scheduler is None or self._scheduler.done():
@@ -104,13 +113,12 @@ class TorchEngine:
             self.policy_version = version
         return time.perf_counter() - started
 
-    async def score(
-        self, sequences: list[list[int]], temperature: float = 1.0
-    ) -> list[list[float]]:
+    async def score(self, sequences: list[list[int]]) -> list[list[float]]:
         async with self._model_lock:
-            return await asyncio.to_thread(self.score_sync, sequences, temperature)
+            return await asyncio.to_thread(self.score_sync, sequences)
 
     async def close(self) -> None:
+        self.closed = True
         if self._scheduler is not None:
             self._scheduler.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -163,14 +171,12 @@ class TorchEngine:
     def _apply_state(self, state: dict[str, Any]) -> None:
         import torch
 
+        check_weights_fit(
+            {k: tuple(v.shape) for k, v in self.model.state_dict().items()},
+            {k: tuple(v.shape) for k, v in state.items()},
+        )
         with torch.no_grad():
-            missing, unexpected = self.model.load_state_dict(state, strict=False)
-        # Tied embeddings appear once in a checkpoint; anything else missing is an error.
-        missing = [k for k in missing if not k.endswith("lm_head.weight")]
-        if missing or unexpected:
-            raise EngineError(
-                f"weights do not fit the model: missing {missing[:5]}, unexpected {unexpected[:5]}"
-            )
+            self.model.load_state_dict(state, strict=False)
 
     def _generate_batch(
         self, requests: list[GenerationRequest], version: int
@@ -209,8 +215,8 @@ class TorchEngine:
             next_position = positions[:, -1:] + 1
             for _ in range(max(limits)):
                 scaled = torch.log_softmax(logits / temperature, dim=-1)
-                sampled = self._sample(scaled, top_p, greedy)
-                chosen = scaled.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
+                sampled, sampled_from = self._sample(scaled, top_p, greedy)
+                chosen = sampled_from.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
                 ids, lps = sampled.tolist(), chosen.tolist()
                 for row in range(size):
                     if finish[row] is not None:
@@ -246,18 +252,21 @@ class TorchEngine:
         ]
 
     def _sample(self, scaled_logprobs, top_p, greedy):
+        """The sampled ids and the log-distribution they were drawn from: the tempered one,
+        renormalised over the top-p nucleus where top_p < 1 (as vLLM reports it)."""
         import torch
 
-        probs = scaled_logprobs.exp()
         if bool((top_p < 1.0).any()):
-            sorted_probs, order = probs.sort(dim=-1, descending=True)
-            outside = (
-                sorted_probs.cumsum(-1) - sorted_probs > top_p
-            )  # keep the smallest set reaching top_p
-            sorted_probs = sorted_probs.masked_fill(outside, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
+            sorted_probs, order = scaled_logprobs.exp().sort(dim=-1, descending=True)
+            # Keep the smallest set reaching top_p (rows with top_p 1 keep everything).
+            outside = (sorted_probs.cumsum(-1) - sorted_probs > top_p) & (top_p < 1.0)
+            dropped = torch.zeros_like(outside).scatter(-1, order, outside)
+            scaled_logprobs = torch.log_softmax(
+                scaled_logprobs.masked_fill(dropped, float("-inf")), dim=-1
+            )
+        probs = scaled_logprobs.exp()
         sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
-        return torch.where(greedy, scaled_logprobs.argmax(-1), sampled)
+        return torch.where(greedy, scaled_logprobs.argmax(-1), sampled), scaled_logprobs
 
     def _hit_stop_string(self, request: GenerationRequest, completion: list[int]) -> bool:
         if not request.stop:

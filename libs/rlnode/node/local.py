@@ -71,7 +71,7 @@ def plan_env(plan: GpuPlan | None) -> tuple[list[dict[str, str]], dict[str, str]
         return {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
 
     generators = [visible(gpus) | engine_settings(plan, gpus) for gpus in plan.engines]
-    learner = visible(plan.training) | learner_settings(plan)
+    learner = visible(plan.learner_gpus) | learner_settings(plan)
     serving = visible(plan.training[-1:]) | serving_settings(plan)
     return generators, learner, serving
 

@@ -20,8 +20,14 @@ from rlnode.service.registry import CHECKPOINT_SERVER, GENERATOR, LEARNER
 
 Placement = Literal["inference", "trainer", "dedicated", "none"]
 
-# One shared GPU: vLLM's gpu_memory_utilization, the rest for the trainer (and reference).
+# vLLM's gpu_memory_utilization per engine. An inference GPU of its own: the policy engine
+# takes most of it. A reference stacked on it takes a share sized for its weights (a 7B model
+# in bf16 is ~15 GB, 0.19 of an 80 GB GPU) and a small KV cache (it only scores). One GPU
+# shared with the trainer: the engines together take SHARED_INFERENCE_FRACTION.
+INFERENCE_FRACTION = 0.85
+STACKED_REFERENCE_FRACTION = 0.25
 SHARED_INFERENCE_FRACTION = 0.45
+SHARED_REFERENCE_FRACTION = 0.15
 
 
 class PlanError(ValueError):
@@ -50,6 +56,20 @@ class GpuPlan:
     def tensor_parallel(self) -> int:
         return len(self.engines[0]) if self.engines else 1
 
+    def engine_memory(self) -> tuple[float, float | None]:
+        """vLLM's gpu_memory_utilization for each policy engine and for the reference engine
+        stacked beside it (None when there is none)."""
+        total = SHARED_INFERENCE_FRACTION if self.shared else INFERENCE_FRACTION
+        if self.reference != "inference":
+            return total, None
+        reference = SHARED_REFERENCE_FRACTION if self.shared else STACKED_REFERENCE_FRACTION
+        return round(total - reference, 2), reference
+
+    @property
+    def learner_gpus(self) -> list[int]:
+        """The GPUs the learner process sees: its ranks', then a dedicated reference's."""
+        return self.training + (self.reference_gpus if self.reference == "dedicated" else [])
+
     def learner_devices(self) -> str:
         """LEARNER_DEVICES for this plan (with CUDA_VISIBLE_DEVICES set to the same GPUs,
         the learner numbers them from 0)."""
@@ -65,12 +85,12 @@ class GpuPlan:
                 ("training", "cpu", "1 rank"),
                 ("reference", "cpu" if self.reference != "none" else "-", self.reference),
             ]
+        policy, reference = self.engine_memory()
         rows = [
             (
                 f"inference engine {i}",
                 ",".join(map(str, gpus)),
-                f"vLLM, tensor parallel {len(gpus)}"
-                + (f", {SHARED_INFERENCE_FRACTION:.0%} of memory" if self.shared else ""),
+                f"vLLM, tensor parallel {len(gpus)}, {policy:.0%} of memory",
             )
             for i, gpus in enumerate(self.engines)
         ]
@@ -83,7 +103,8 @@ class GpuPlan:
             )
         )
         where = {
-            "inference": "a frozen copy beside each engine (logprobs come with trajectories)",
+            "inference": "a frozen copy beside each engine (logprobs come with trajectories), "
+            f"{reference or 0:.0%} of memory",
             "trainer": "beside the policy on the training GPU(s)",
             "dedicated": "its own GPU",
             "none": "no reference model (no KL term)",
@@ -220,19 +241,27 @@ def engine_settings(plan: GpuPlan, gpus: list[int]) -> dict[str, str]:
     """The settings of a rollout-generator whose engine runs on `gpus` (the same whether the
     node starts it as a process or compose as a container)."""
     prefix = GENERATOR.env_prefix
-    return {
+    policy, reference = plan.engine_memory()
+    settings = {
         f"{prefix}ENGINE": "vllm",
         f"{prefix}DEVICE": "cuda",
         f"{prefix}TENSOR_PARALLEL": str(len(gpus)),
-        f"{prefix}REFERENCE_ON_INFERENCE": str(plan.reference == "inference").lower(),
+        f"{prefix}REFERENCE_ON_INFERENCE": str(reference is not None).lower(),
+        f"{prefix}GPU_MEMORY_FRACTION": str(policy),
     }
+    if reference is not None:
+        settings[f"{prefix}REFERENCE_GPU_MEMORY_FRACTION"] = str(reference)
+    return settings
 
 
 def learner_settings(plan: GpuPlan) -> dict[str, str]:
-    return {
+    settings = {
         f"{LEARNER.env_prefix}DEVICES": plan.learner_devices(),
         f"{LEARNER.env_prefix}VISIBLE_GPUS": str(plan.visible),
     }
+    if plan.reference == "dedicated":  # numbered after the ranks in the learner's GPUs
+        settings[f"{LEARNER.env_prefix}REFERENCE_DEVICE"] = f"cuda:{len(plan.training)}"
+    return settings
 
 
 def serving_settings(_plan: GpuPlan) -> dict[str, str]:
@@ -275,7 +304,7 @@ def compose_gpu_services(plan: GpuPlan) -> dict[str, dict]:
         services[f"{GENERATOR.name}-{index}"] = {"deploy": {"replicas": 0}}
     services[LEARNER.name] = {
         "environment": learner_settings(plan),
-        "deploy": gpus(plan.training),
+        "deploy": gpus(plan.learner_gpus),
     }
     services[CHECKPOINT_SERVER.name] = {
         "environment": serving_settings(plan),

@@ -69,12 +69,17 @@ def _worker(
     config: TrainerConfig,
     devices: list[str],
     reference_on_trainer: bool,
+    reference_device: str | None,
 ) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     _init(rank, world, port, devices)
     try:
         trainer = Trainer(
-            model_path, config, device=devices[rank], reference_on_trainer=reference_on_trainer
+            model_path,
+            config,
+            device=devices[rank],
+            reference_on_trainer=reference_on_trainer,
+            reference_device=reference_device,
         )
         while True:
             command, argument = _receive()
@@ -99,6 +104,7 @@ class DataParallelTrainer:
         devices: list[str],
         *,
         reference_on_trainer: bool = False,
+        reference_device: str | None = None,
     ) -> None:
         if not devices:
             raise DataParallelError("data parallelism needs at least one device")
@@ -123,6 +129,7 @@ class DataParallelTrainer:
                         config,
                         self.devices,
                         reference_on_trainer,
+                        reference_device,
                     ),
                     name=f"rlnode-trainer-rank{rank}",
                     daemon=True,
@@ -131,7 +138,11 @@ class DataParallelTrainer:
                 self._workers.append(process)
             _init(0, self.world, port, self.devices)
         self.trainer = Trainer(
-            model_path, config, device=self.devices[0], reference_on_trainer=reference_on_trainer
+            model_path,
+            config,
+            device=self.devices[0],
+            reference_on_trainer=reference_on_trainer,
+            reference_device=reference_device,
         )
 
     def __getattr__(self, name: str) -> Any:

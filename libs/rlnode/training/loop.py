@@ -68,11 +68,13 @@ class JobRunner:
         step_timeout_s: float,
         on_progress: Callable[[int], None] = lambda _step: None,
         source: str = LEARNER.name,
+        reference_device: str | None = None,
     ) -> None:
         self.job_id, self.org_id, self.config = job_id, org_id, config
         self.transport = transport
         self.root = checkpoint_root / job_id
         self.devices = devices
+        self.reference_device = reference_device
         self.step_timeout_s = step_timeout_s
         self.on_progress = on_progress
         self.source = source
@@ -120,6 +122,9 @@ class JobRunner:
             self.devices,
             reference_on_trainer=t.kl_coef > 0
             and self.config.topology.reference in ("trainer", "dedicated"),
+            reference_device=self.reference_device
+            if self.config.topology.reference == "dedicated"
+            else None,
         )
         try:
             await self._run()

@@ -150,7 +150,10 @@ class Trainer:
         *,
         device: str = "cpu",
         reference_on_trainer: bool = False,
+        reference_device: str | None = None,
     ) -> None:
+        """`reference_device`: where the reference model goes when it is on the learner
+        (default: beside the policy; the GPU plan's `dedicated` placement names its GPU)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
         from transformers.utils import logging as hf_logging
 
@@ -165,9 +168,10 @@ class Trainer:
         self.model = model.to(device)  # type: ignore[arg-type]  # transformers' stub of the @wraps(Module.to) method wants the model as its first argument
         self.model.train()
         self.reference = None
+        self.reference_device = reference_device or device
         if reference_on_trainer:
             reference_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            self.reference = reference_model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub of the @wraps(Module.to) method wants the model as its first argument
+            self.reference = reference_model.to(self.reference_device).eval()  # type: ignore[arg-type]  # transformers' stub of the @wraps(Module.to) method wants the model as its first argument
             self.reference.requires_grad_(False)
         self.rank, self.world = _world()
         self.wrapped = self.model
@@ -294,9 +298,13 @@ class Trainer:
         if self.reference is not None:
             with torch.no_grad(), self._autocast():
                 logprobs, _ = completion_logprobs(
-                    self.reference, batch, self.device, self.config.temperature, self.pad_id
+                    self.reference,
+                    batch,
+                    self.reference_device,
+                    self.config.temperature,
+                    self.pad_id,
                 )
-            return logprobs
+            return logprobs.to(self.device)
         return None
 
     # -- what the learner publishes -------------------------------------------------------

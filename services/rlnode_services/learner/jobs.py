@@ -145,6 +145,7 @@ class JobManager:
             self.settings.step_timeout_s,
             source=self.bus.service,
             on_progress=lambda step: self._set(job_id, step=step),
+            reference_device=self.settings.reference_device,
         )
         self.runners[record.job_id] = runner
         self._set(record.job_id, status="running")

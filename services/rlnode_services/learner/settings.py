@@ -33,6 +33,11 @@ class LearnerSettings(ServiceSettings):
             "parallel (e.g. 'cuda:0,cuda:1'; 'cpu,cpu' runs 2 gloo ranks on the CPU)."
         ),
     )
+    reference_device: str | None = Field(
+        None,
+        description="Where a job with reference 'dedicated' keeps its reference model "
+        "(the GPU plan sets it: the dedicated GPU); otherwise beside the policy.",
+    )
     visible_gpus: int = Field(
         0, ge=0, description="GPUs this node has (the plan checks requests against it)."
     )
@@ -57,6 +62,13 @@ class LearnerSettings(ServiceSettings):
         if len(set(devices)) != len(devices) and any(d != "cpu" for d in devices):
             raise ValueError(f"a GPU appears twice in {value!r}: each rank needs its own")
         return ",".join(devices)
+
+    @field_validator("reference_device")
+    @classmethod
+    def _known_reference_device(cls, value: str | None) -> str | None:
+        if value is not None and value != "cpu" and not re.fullmatch(r"cuda(:\d+)?", value):
+            raise ValueError(f"unknown device {value!r}: use 'cpu' or 'cuda:N'")
+        return value
 
     @property
     def device_list(self) -> list[str]:

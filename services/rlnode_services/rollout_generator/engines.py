@@ -37,22 +37,26 @@ class EnginePool:
         self._creating = asyncio.Lock()
         self.latest: dict[str, WeightVersion] = {}  # newest version seen per job, loaded or not
 
-    def _create(self, source: str) -> Engine:
-        options: dict[str, str | int | float] = {
-            "device": self.settings.device,
-            "dtype": self.settings.dtype,
-        }
-        if self.settings.engine == "torch":
+    def _create(self, source: str, reference: bool = False) -> Engine:
+        settings = self.settings
+        options: dict[str, str | int | float] = {"device": settings.device, "dtype": settings.dtype}
+        if settings.engine == "torch":
             options |= {
-                "max_batch_size": self.settings.max_batch_size,
-                "max_wait_ms": self.settings.max_wait_ms,
+                "max_batch_size": settings.max_batch_size,
+                "max_wait_ms": settings.max_wait_ms,
             }
         else:
             options |= {
-                "tensor_parallel_size": self.settings.tensor_parallel,
-                "max_batch_size": self.settings.max_batch_size,
+                "tensor_parallel_size": settings.tensor_parallel,
+                "max_batch_size": settings.max_batch_size,
+                "gpu_memory_utilization": settings.reference_gpu_memory_fraction
+                if reference
+                else settings.gpu_memory_fraction,
+                "cpu_kv_cache_mib": settings.cpu_kv_cache_mib,
             }
-        return create_engine(self.settings.engine, source, **options)
+            if settings.max_model_len:
+                options["max_model_len"] = settings.max_model_len
+        return create_engine(settings.engine, source, **options)
 
     async def for_job(self, job_id: str, model: ModelSpec) -> JobEngines:
         engines = self.jobs.get(job_id)
@@ -63,7 +67,7 @@ class EnginePool:
                 started = time.perf_counter()
                 policy = await asyncio.to_thread(self._create, model.source)
                 reference = (
-                    await asyncio.to_thread(self._create, model.source)
+                    await asyncio.to_thread(self._create, model.source, True)
                     if self.settings.reference_on_inference
                     else None
                 )

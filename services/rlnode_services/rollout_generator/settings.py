@@ -38,6 +38,25 @@ class GeneratorSettings(ServiceSettings):
         "auto", description="The engine's weights: auto is bfloat16 on GPUs, float32 on the CPU."
     )
     tensor_parallel: int = Field(1, ge=1, description="GPUs per vLLM engine.")
+    gpu_memory_fraction: float = Field(
+        0.85,
+        gt=0,
+        le=0.95,
+        description="vLLM: the share of each GPU's memory the policy engine may take "
+        "(the GPU plan sets it when the GPU is shared).",
+    )
+    reference_gpu_memory_fraction: float = Field(
+        0.15,
+        gt=0,
+        le=0.95,
+        description="vLLM: the share a reference engine stacked on the same GPU may take.",
+    )
+    cpu_kv_cache_mib: int = Field(
+        512, ge=16, description="vLLM on the CPU: the KV cache's size per engine, in MiB."
+    )
+    max_model_len: int | None = Field(
+        None, ge=16, description="vLLM: the longest sequence (default: the model's)."
+    )
     max_batch_size: int = Field(32, ge=1, le=4096, description="Requests in one batch.")
     max_wait_ms: float = Field(
         5.0, ge=0, le=1000, description="The torch engine waits this long to fill a batch."
