@@ -1,18 +1,18 @@
 """B4 — transport: (1) trajectories/s and MB/s through the broker (the bus's zstd producer, a
 raw consumer) for trajectories of realistic size, against encoding + decoding alone; (2)
-weight-sync latency as the node does it (trainer writes safetensors atomically + sha256,
-WeightVersion over the broker, the generator's side checks the sha256 and loads into the
-engine) against a raw safetensors save + load of the same weights. Interleaved rounds.
-Writes bench/results/transport.{json,md}.
+weight-sync latency as the node does it (the trainer streams safetensors in the engines'
+dtype, hashing as it writes; a WeightVersion over the broker; the engine reads the file once,
+checks its sha256 and loads it) against a raw safetensors save + load of the same weights in
+the same dtype and directory (/dev/shm when it exists, as the learner uses). Interleaved
+rounds. Writes bench/results/transport.{json,md}.
 
-    python bench/transport.py [--trajectories 300] [--turns 4] [--repeats 3]
+    python bench/transport.py [--trajectories 300] [--turns 4] [--repeats 3] [--dtype float32]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import random
 import statistics
 import tempfile
@@ -29,7 +29,7 @@ from rlnode.engine.torch_engine import TorchEngine
 from rlnode.messages import ParityProbe, TokenTurn, TrainingSpec, Trajectory, WeightVersion, topics
 from rlnode.messages.codec import decode, encode
 from rlnode.models.build import init_tiny_model
-from rlnode.training.trainer import Trainer, TrainerConfig
+from rlnode.training.trainer import WEIGHT_DTYPES, Trainer, TrainerConfig
 
 
 def trajectory(job_id: str, turns: int, prompt: int, completion: int, rng: random.Random):
@@ -83,7 +83,9 @@ def codec_only(batch: list[Trajectory]) -> float:
     return time.perf_counter() - started
 
 
-async def weight_sync(settings: KafkaSettings, trainer: Trainer, engine: TorchEngine, path: Path):
+async def weight_sync(
+    settings: KafkaSettings, trainer: Trainer, engine: TorchEngine, path: Path, dtype: str
+):
     """Publish -> received -> sha256 checked -> loaded; seconds."""
     bus = Bus(settings, service="bench-weights")
     arrived: asyncio.Queue = asyncio.Queue()
@@ -96,7 +98,7 @@ async def weight_sync(settings: KafkaSettings, trainer: Trainer, engine: TorchEn
     try:
         job = f"bench-{uuid.uuid4().hex[:8]}"
         started = time.perf_counter()
-        digest, size = await asyncio.to_thread(trainer.save_weights, path)
+        digest, size = await asyncio.to_thread(trainer.save_weights, path, dtype)
         await bus.publish(
             WeightVersion(
                 job_id=job,
@@ -106,7 +108,7 @@ async def weight_sync(settings: KafkaSettings, trainer: Trainer, engine: TorchEn
                 uri=path.as_uri(),
                 sha256=digest,
                 size_bytes=size,
-                dtype="float32",
+                dtype=dtype,
                 probe=ParityProbe(token_ids=[0, 1], logprobs=[0.0]),
             )
         )
@@ -114,19 +116,20 @@ async def weight_sync(settings: KafkaSettings, trainer: Trainer, engine: TorchEn
             version = await arrived.get()
             if version.job_id == job:
                 break
-        check = await asyncio.to_thread(lambda: hashlib.sha256(path.read_bytes()).hexdigest())
-        assert check == version.sha256
-        await engine.load_weights(path, 1)
+        await engine.load_weights(path, 1, version.sha256)
         return time.perf_counter() - started, size
     finally:
         await bus.stop()
 
 
-def raw_save_load(trainer: Trainer, path: Path) -> float:
+def raw_save_load(trainer: Trainer, path: Path, dtype: str) -> float:
+    """safetensors' own save + load of the same tensors (tied ones once, as it requires)."""
     from safetensors.torch import load_file, save_file
 
     started = time.perf_counter()
-    save_file(trainer.state_dict_for_inference(), str(path))
+    state = {k: v.detach().to(WEIGHT_DTYPES[dtype]) for k, v in trainer.model.state_dict().items()}
+    state["lm_head.weight"] = state["lm_head.weight"].clone()
+    save_file(state, str(path))
     load_file(str(path))
     return time.perf_counter() - started
 
@@ -140,7 +143,12 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--dtype", default="float32", choices=["float32", "bfloat16"], help="of the weights"
+    )
     args = parser.parse_args()
+    shared_memory = Path("/dev/shm")
+    weights_dir = shared_memory if shared_memory.is_dir() else None
     rng = random.Random(0)
     batch = [
         trajectory("bench-traj", args.turns, args.prompt_tokens, args.completion_tokens, rng)
@@ -148,7 +156,11 @@ def main() -> None:
     ]
     record_bytes = statistics.fmean(len(encode(t)) for t in batch)
     runs = {"broker_s": [], "codec_s": [], "sync_s": [], "raw_s": []}
-    with tempfile.TemporaryDirectory() as tmp, LocalBroker() as broker:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        tempfile.TemporaryDirectory(dir=weights_dir) as weights,
+        LocalBroker() as broker,
+    ):
         settings = KafkaSettings(bootstrap_servers=broker.bootstrap_servers)
         from rlnode.bus import ensure_topics
 
@@ -164,10 +176,14 @@ def main() -> None:
             runs["broker_s"].append(seconds)
             runs["codec_s"].append(codec_only(batch))
             sync, weights_bytes = asyncio.run(
-                weight_sync(settings, trainer, engine, Path(tmp) / f"w{round_}.safetensors")
+                weight_sync(
+                    settings, trainer, engine, Path(weights) / f"w{round_}.safetensors", args.dtype
+                )
             )
             runs["sync_s"].append(sync)
-            runs["raw_s"].append(raw_save_load(trainer, Path(tmp) / "raw.safetensors"))
+            runs["raw_s"].append(
+                raw_save_load(trainer, Path(weights) / "raw.safetensors", args.dtype)
+            )
             print(
                 f"round {round_ + 1}: broker {args.trajectories / seconds:.0f} traj/s, "
                 f"weight sync {sync * 1000:.0f} ms vs raw {runs['raw_s'][-1] * 1000:.0f} ms",
@@ -188,7 +204,7 @@ def main() -> None:
         f"| encode + decode only | {args.trajectories / m['codec_s']:.0f} trajectories/s | "
         + ", ".join(f"{args.trajectories / s:.0f}" for s in runs["codec_s"])
         + " |",
-        f"| weight sync ({weights_bytes / 1e6:.0f} MB): write + sha256 + publish + receive + check + load | {m['sync_s'] * 1000:.0f} ms | "
+        f"| weight sync ({weights_bytes / 1e6:.0f} MB, {args.dtype}): write + sha256 + publish + receive + check + load | {m['sync_s'] * 1000:.0f} ms | "
         + ", ".join(f"{s * 1000:.0f}" for s in runs["sync_s"])
         + " |",
         f"| raw safetensors save + load of the same weights | {m['raw_s'] * 1000:.0f} ms | "

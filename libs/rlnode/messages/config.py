@@ -63,6 +63,17 @@ class TrainingSpec(StrictModel):
     weight_sync_every: PositiveInt = 1
     checkpoint_every: PositiveInt = 10
     tokens_per_micro_batch: PositiveInt = Field(8192, description="Gradient-accumulation budget.")
+    logit_chunk_tokens: PositiveInt = Field(
+        256,
+        le=65_536,
+        description="Completion tokens whose full-vocabulary logits exist at once when the "
+        "trainer computes logprobs (recomputed in the backward pass): bounds that memory.",
+    )
+    activation_checkpointing: bool = Field(
+        False,
+        description="Recompute each layer's activations in the backward pass: less memory "
+        "for longer sequences, about a third more compute.",
+    )
     minibatches: PositiveInt = Field(
         1,
         le=64,

@@ -3,7 +3,6 @@ through Kafka: the record points at a file in the shared checkpoint store."""
 
 from __future__ import annotations
 
-import hashlib
 from pathlib import Path
 from typing import ClassVar, Literal
 from urllib.parse import unquote, urlparse
@@ -47,13 +46,3 @@ class WeightVersion(Envelope):
     def path(self) -> Path:
         """The weights file the `file://` URI names (not yet checked to be in the store)."""
         return Path(unquote(urlparse(self.uri).path))
-
-
-def sha256_of(path: Path) -> str:
-    """The sha256 of a weights file, as a WeightVersion carries it: written once by the
-    learner, checked by every reader."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

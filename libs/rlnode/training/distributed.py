@@ -1,9 +1,10 @@
 """Data parallelism for a service that owns the training loop: the calling process is rank 0
-and drives the loop; ranks 1..N-1 are spawned worker processes that hold a replica and
-follow rank 0's commands (a step on this batch, load that checkpoint), each training on its
-share of the batch while DDP all-reduces the gradients. NCCL on GPUs, gloo on the CPU.
+and drives the loop; ranks 1..N-1 are spawned worker processes that hold their shard of the
+model (FSDP2, see `rlnode.training.trainer`) and follow rank 0's commands (a step on this
+batch, score the probe, gather the weights, save or load a checkpoint), each training on its
+share of the batch. NCCL on GPUs, gloo on the CPU.
 
-Rank 0 alone writes weights and checkpoints: after every step the replicas are equal."""
+Every command is collective (the ranks gather each other's shards); rank 0 writes the files."""
 
 from __future__ import annotations
 
@@ -83,12 +84,9 @@ def _worker(
         )
         while True:
             command, argument = _receive()
-            if command == "step":
-                trainer.step(argument)
-            elif command == "load":
-                trainer.load_checkpoint(Path(argument))
-            elif command == "stop":
+            if command == "stop":
                 return
+            getattr(trainer, command)(*argument)
     finally:
         dist.destroy_process_group()
 
@@ -146,7 +144,7 @@ class DataParallelTrainer:
         )
 
     def __getattr__(self, name: str) -> Any:
-        # tokenizer, model, score, save_weights, save_checkpoint: rank 0's replica is the model.
+        # tokenizer, config, steps: the same on every rank.
         return getattr(self.__dict__["trainer"], name)
 
     def _command(self, command: str, argument: Any = None) -> None:
@@ -164,11 +162,23 @@ class DataParallelTrainer:
             raise ValueError(
                 f"{len(samples)} sample(s) cannot be split over {self.world} training devices"
             )
-        self._command("step", samples)
+        self._command("step", (samples,))
         return self.trainer.step(samples)
 
+    def score(self, token_ids: list[int]) -> list[float]:
+        self._command("score", (token_ids,))
+        return self.trainer.score(token_ids)
+
+    def save_weights(self, path: Path, dtype: str = "float32") -> tuple[str, int]:
+        self._command("save_weights", (path, dtype))
+        return self.trainer.save_weights(path, dtype)
+
+    def save_checkpoint(self, directory: Path, state: dict[str, Any]) -> Path:
+        self._command("save_checkpoint", (directory, state))
+        return self.trainer.save_checkpoint(directory, state)
+
     def load_checkpoint(self, directory: Path) -> dict[str, Any]:
-        self._command("load", str(directory))
+        self._command("load_checkpoint", (directory,))
         return self.trainer.load_checkpoint(directory)
 
     def close(self) -> None:

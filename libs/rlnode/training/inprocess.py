@@ -17,10 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from rlnode.engine import Engine, EngineError, render_chat
+from rlnode.engine import Engine, render_chat
 from rlnode.engine.turns import sample_turn
 from rlnode.messages import RolloutFailure, RolloutWork, TokenTurn, Trajectory, WeightVersion
-from rlnode.messages.weights import sha256_of
 from rlnode.service.openai_api import stops
 from rlnode.taskapp.bridge import rollout_request, trajectory
 from rlnode.taskapp.contract import NormalisedRollout
@@ -88,11 +87,7 @@ class InProcessGenerator:
             task.add_done_callback(self._tasks.discard)
 
     async def on_weights(self, version: WeightVersion) -> None:
-        path = version.path
-        digest = await asyncio.to_thread(sha256_of, path)
-        if digest != version.sha256:
-            raise EngineError(f"weights v{version.version}: sha256 of {path.name} does not match")
-        await self.engine.load_weights(path, version.version)
+        await self.engine.load_weights(version.path, version.version, version.sha256)
         async with self._loaded:
             self.loaded_version = max(self.loaded_version, version.version)
             self._loaded.notify_all()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import shutil
 import statistics
 import time
 import uuid
@@ -36,7 +37,7 @@ from rlnode.messages.jobs import (
 from rlnode.service.registry import LEARNER
 from rlnode.training.distributed import DataParallelTrainer
 from rlnode.training.grpo import group_advantages, samples_from
-from rlnode.training.trainer import TrainerConfig
+from rlnode.training.trainer import WEIGHT_DTYPES, TrainerConfig
 from rlnode.training.transport import JobTransport
 
 log = logging.getLogger("rlnode.training.loop")
@@ -69,12 +70,20 @@ class JobRunner:
         on_progress: Callable[[int], None] = lambda _step: None,
         source: str = LEARNER.name,
         reference_device: str | None = None,
+        weights_dir: Path | None = None,
+        weights_dtype: str = "float32",
     ) -> None:
+        """`weights_dir`: where weight versions go (default: on /dev/shm when it has room,
+        else beside the checkpoints); `weights_dtype`: the engines' dtype, which they are
+        written in."""
         self.job_id, self.org_id, self.config = job_id, org_id, config
         self.transport = transport
         self.root = checkpoint_root / job_id
         self.devices = devices
         self.reference_device = reference_device
+        self.weights_root = weights_dir
+        self.weights_dtype = weights_dtype
+        self.weights_dir = self.root / "weights"
         self.step_timeout_s = step_timeout_s
         self.on_progress = on_progress
         self.source = source
@@ -133,6 +142,7 @@ class JobRunner:
 
     async def _run(self) -> None:
         t = self.config.training
+        self.weights_dir = await asyncio.to_thread(self._choose_weights_dir)
         resumed = await self._resume()
         await self._event(
             JobEventType.STARTED,
@@ -279,19 +289,42 @@ class JobRunner:
     # -- weights and checkpoints ------------------------------------------------------------
 
     def _weights_path(self, version: int) -> Path:
-        return self.root / "weights" / f"v{version:06d}.safetensors"
+        return self.weights_dir / f"v{version:06d}.safetensors"
 
     def _published_versions(self) -> list[int]:
-        directory = self.root / "weights"
-        if not directory.exists():
+        if not self.weights_dir.exists():
             return []
-        return [int(p.stem.removeprefix("v")) for p in directory.glob("v*.safetensors")]
+        return [int(p.stem.removeprefix("v")) for p in self.weights_dir.glob("v*.safetensors")]
+
+    def _choose_weights_dir(self) -> Path:
+        """Weight versions are read once by each generator soon after they are written: on
+        one node they belong in memory (/dev/shm) when it holds the versions kept with room
+        to spare; checkpoints stay on disk."""
+        if self.weights_root is not None:
+            return self.weights_root / self.job_id
+        assert self.trainer is not None
+        size = self.trainer.model.num_parameters() * WEIGHT_DTYPES[self.weights_dtype].itemsize
+        shared_memory = Path("/dev/shm")
+        if (
+            shared_memory.is_dir()
+            and shutil.disk_usage(shared_memory).free > 2 * self._kept() * size
+        ):
+            return shared_memory / "rlnode-weights" / self.job_id
+        return self.root / "weights"
+
+    def _kept(self) -> int:
+        # Generators may still be loading the last few versions (up to max_async behind).
+        return self.config.training.max_async + 2
+
+    def _prune_weights(self) -> None:
+        for version in sorted(self._published_versions())[: -self._kept()]:
+            self._weights_path(version).unlink(missing_ok=True)
 
     async def _publish_weights(self) -> None:
         assert self.trainer is not None
         version = self.version + 1
         path = self._weights_path(version)
-        digest, size = await asyncio.to_thread(self.trainer.save_weights, path)
+        digest, size = await asyncio.to_thread(self.trainer.save_weights, path, self.weights_dtype)
         probe_ids = self._probe_ids()
         probe = ParityProbe(
             token_ids=probe_ids, logprobs=await asyncio.to_thread(self.trainer.score, probe_ids)
@@ -305,11 +338,12 @@ class JobRunner:
                 uri=path.as_uri(),
                 sha256=digest,
                 size_bytes=size,
-                dtype="float32",
+                dtype=self.weights_dtype,
                 probe=probe,
             )
         )
         self.version = version
+        await asyncio.to_thread(self._prune_weights)
         await self._event(
             JobEventType.WEIGHTS_PUBLISHED,
             f"weights v{version} after step {self.step}",

@@ -1,6 +1,18 @@
 """The trainer: one optimizer step of the clipped objective over a batch of samples,
-micro-batched to a token budget, optionally data parallel (torch.distributed: NCCL on GPUs,
-gloo on the CPU), bf16 autocast on GPU; and the files it produces (weights, checkpoints)."""
+micro-batched to a token budget, and the files it produces (weights, checkpoints).
+
+Memory, for models the size of the GPU plan's (docs/decisions.md, "Trainer"):
+- Master weights, gradients and AdamW state are fp32; over several ranks each rank holds
+  only its shard of all three (FSDP2, `fully_shard` per decoder layer and on the whole:
+  16 bytes per parameter spread over the ranks). Compute is bf16 on GPUs (the layer being
+  computed is gathered in bf16), gradients are reduced in fp32.
+- Logprobs of completion tokens come from the final hidden states a chunk of tokens at a
+  time (`logit_chunk_tokens`), recomputed in the backward pass: the full-vocabulary logits
+  of a micro-batch never exist at once, and prompt positions get none.
+- Activation checkpointing of every layer is a job option.
+Over several ranks every collective method (step, score, weights, checkpoints) is called on
+every rank (`rlnode.training.distributed` drives the others); rank 0 writes the files.
+"""
 
 from __future__ import annotations
 
@@ -10,16 +22,20 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
 
 from rlnode.messages import JobConfig, SamplingSpec, TrainingSpec
-from rlnode.messages.weights import sha256_of
 from rlnode.training.grpo import Sample, clipped_objective
+from rlnode.training.safetensors_stream import TensorSpec, write_safetensors
+
+WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True)
@@ -36,6 +52,8 @@ class TrainerConfig:
     tokens_per_micro_batch: int
     minibatches: int  # optimizer steps per training step (see minibatch_parts)
     seed: int
+    logit_chunk_tokens: int = 256
+    activation_checkpointing: bool = False
 
     @classmethod
     def for_job(cls, config: JobConfig) -> TrainerConfig:
@@ -55,6 +73,8 @@ class TrainerConfig:
             tokens_per_micro_batch=training.tokens_per_micro_batch,
             minibatches=training.minibatches,
             seed=training.seed,
+            logit_chunk_tokens=training.logit_chunk_tokens,
+            activation_checkpointing=training.activation_checkpointing,
         )
 
 
@@ -76,36 +96,121 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_reduce(values: list[float], device: str) -> list[float]:
+def _all_reduce(
+    values: list[float], device: str, ops: tuple[str, ...] | None = None
+) -> list[float]:
+    """Sum (or, per value, "max") over the ranks."""
     if _world()[1] == 1:
         return values
-    tensor = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tensor)
-    return tensor.tolist()
+    ops = ops or ("sum",) * len(values)
+    out = list(values)
+    for op, reduce_op in (("sum", dist.ReduceOp.SUM), ("max", dist.ReduceOp.MAX)):
+        picked = [i for i, o in enumerate(ops) if o == op]
+        if picked:
+            tensor = torch.tensor([values[i] for i in picked], dtype=torch.float64, device=device)
+            dist.all_reduce(tensor, op=reduce_op)
+            for i, v in zip(picked, tensor.tolist(), strict=True):
+                out[i] = v
+    return out
 
 
-def completion_logprobs(model, batch: list[Sample], device: str, temperature: float, pad_id: int):
+def _chunk_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    logits = (hidden @ weight.t()).float() / temperature
+    return logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - logits.logsumexp(-1)
+
+
+def token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+) -> torch.Tensor:
+    """log-softmax(hidden @ weight.T / temperature)[target] for each row of `hidden` [N, H],
+    `chunk_tokens` rows at a time. With gradients on, each chunk is recomputed in the
+    backward pass, so only one chunk's [chunk, vocab] logits exist at any time."""
+    parts = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        rows = slice(start, start + chunk_tokens)
+        if torch.is_grad_enabled():
+            part = checkpoint(
+                _chunk_logprobs,
+                hidden[rows],
+                weight,
+                targets[rows],
+                temperature,
+                use_reentrant=False,
+            )
+        else:
+            part = _chunk_logprobs(hidden[rows], weight, targets[rows], temperature)
+        parts.append(part)
+    return torch.cat(parts) if parts else hidden.new_zeros(0, dtype=torch.float32)
+
+
+class CompletionLogprobs(torch.nn.Module):
+    """A causal LM whose forward gives the logprobs of chosen tokens: the unit the trainer
+    differentiates (and the FSDP root, so one forward gathers what it needs)."""
+
+    def __init__(self, lm: Any, chunk_tokens: int) -> None:
+        super().__init__()
+        self.lm: Any = lm  # a transformers causal LM (untyped there)
+        self.chunk_tokens = chunk_tokens
+        if getattr(lm.get_output_embeddings(), "bias", None) is not None:
+            raise ValueError("output layers with a bias are not supported")
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        rows: torch.Tensor,
+        positions: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
+        """The logprob of token `input_ids[r, p + 1]` after `input_ids[r, : p + 1]`, for each
+        (r, p) in zip(rows, positions)."""
+        hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask)
+        chosen = hidden.last_hidden_state[rows, positions]
+        weight = self.lm.get_output_embeddings().weight
+        return token_logprobs(
+            chosen, weight, input_ids[rows, positions + 1], temperature, self.chunk_tokens
+        )
+
+
+def completion_logprobs(
+    model: torch.nn.Module, batch: list[Sample], device: str, temperature: float, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs (of logits / temperature) of every completion token, right-padded into a
-    [rows, max completion] tensor, and the matching mask."""
+    [rows, longest completion] tensor, and the matching mask. `model` is a
+    `CompletionLogprobs` (or a sharded one)."""
     width = max(s.tokens for s in batch)
+    longest = max(len(s.completion_ids) for s in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     attention = torch.zeros_like(input_ids)
+    rows, positions, columns = [], [], []
     for row, s in enumerate(batch):
         ids = s.prompt_ids + s.completion_ids
         input_ids[row, : len(ids)] = torch.tensor(ids)
         attention[row, : len(ids)] = 1
-    input_ids, attention = input_ids.to(device), attention.to(device)
-    logits = model(input_ids=input_ids, attention_mask=attention).logits.float()
-    scaled = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
-    token_logprobs = scaled.gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)
-    longest = max(len(s.completion_ids) for s in batch)
-    out = torch.zeros((len(batch), longest), device=device)
+        start = len(s.prompt_ids) - 1  # the hidden state at position i predicts token i + 1
+        for k in range(len(s.completion_ids)):
+            rows.append(row)
+            positions.append(start + k)
+            columns.append(k)
+    index_rows = torch.tensor(rows, device=device)
+    flat = model(
+        input_ids.to(device),
+        attention.to(device),
+        index_rows,
+        torch.tensor(positions, device=device),
+        temperature,
+    )
+    out = torch.zeros((len(batch), longest), device=device, dtype=flat.dtype)
+    out = out.index_put((index_rows, torch.tensor(columns, device=device)), flat)
     mask = torch.zeros((len(batch), longest), device=device)
     for row, s in enumerate(batch):
-        start = len(s.prompt_ids) - 1  # the logit at position i predicts token i + 1
-        n = len(s.completion_ids)
-        out[row, :n] = token_logprobs[row, start : start + n]
-        mask[row, :n] = 1.0
+        mask[row, : len(s.completion_ids)] = 1.0
     return out, mask
 
 
@@ -142,6 +247,23 @@ def micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]
     return batches
 
 
+def equal_micro_batches(samples: list[Sample], token_budget: int, count: int) -> list[list[Sample]]:
+    """`micro_batches`, then split further (largest first) to exactly `count` batches: every
+    rank of a sharded model must run the same number of forward and backward passes (each
+    gathers parameters from all ranks). A rank with fewer samples than `count` gets empty
+    batches, which it runs with a zero-weight stand-in."""
+    batches = micro_batches(samples, token_budget)
+    while len(batches) < count:
+        widest = max(range(len(batches)), key=lambda b: len(batches[b]))
+        if len(batches[widest]) < 2:
+            batches.append([])
+            continue
+        half = len(batches[widest]) // 2
+        batches.append(batches[widest][half:])
+        batches[widest] = batches[widest][:half]
+    return batches
+
+
 class Trainer:
     def __init__(
         self,
@@ -164,33 +286,38 @@ class Trainer:
         self.device = device
         self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.rank, self.world = _world()
+        # fp32 master weights; bf16 compute on GPUs (autocast with one rank, FSDP's
+        # mixed precision with several).
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if config.activation_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
         self.model = model.to(device)  # type: ignore[arg-type]  # transformers' stub of the @wraps(Module.to) method wants the model as its first argument
         self.model.train()
-        self.reference = None
+        self.policy: torch.nn.Module = CompletionLogprobs(self.model, config.logit_chunk_tokens)
+        if self.world > 1:
+            self.policy = _shard(self.policy, device)
+        self.reference: torch.nn.Module | None = None
         self.reference_device = reference_device or device
         if reference_on_trainer:
-            reference_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-            self.reference = reference_model.to(self.reference_device).eval()  # type: ignore[arg-type]  # transformers' stub of the @wraps(Module.to) method wants the model as its first argument
-            self.reference.requires_grad_(False)
-        self.rank, self.world = _world()
-        self.wrapped = self.model
-        if self.world > 1:
-            from torch.nn.parallel import DistributedDataParallel
-
-            self.wrapped = DistributedDataParallel(
-                self.model,
-                device_ids=[torch.device(device).index] if device.startswith("cuda") else None,
-            )
+            frozen = AutoModelForCausalLM.from_pretrained(model_path, dtype=self._compute_dtype())
+            frozen = frozen.to(self.reference_device).eval()  # type: ignore[arg-type]  # as above
+            frozen.requires_grad_(False)
+            self.reference = CompletionLogprobs(frozen, config.logit_chunk_tokens)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+            self.policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
         )
         self.steps = 0
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
 
-    def _autocast(self):
-        if self.device.startswith("cuda"):
+    def _compute_dtype(self) -> torch.dtype:
+        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.device.startswith("cuda") and self.world == 1:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
@@ -229,17 +356,26 @@ class Trainer:
         its share). The loss is the token-mean over the whole batch, whatever the split."""
         started = time.perf_counter()
         mine = samples[self.rank :: self.world]
+        if not mine:
+            raise ValueError("every rank needs at least one sample; give at least `world` samples")
         my_tokens = sum(len(s.completion_ids) for s in mine)
-        (total_tokens,) = _all_reduce([float(my_tokens)], self.device)
         batches = micro_batches(mine, self.config.tokens_per_micro_batch)
+        total_tokens, most_batches = _all_reduce(
+            [float(my_tokens), float(len(batches))], self.device, ("sum", "max")
+        )
+        if self.world > 1:
+            batches = equal_micro_batches(
+                mine, self.config.tokens_per_micro_batch, int(most_batches)
+            )
         sums = {"loss": 0.0, "clipped_tokens": 0.0, "ratio_sum": 0.0, "kl_sum": 0.0, "kl_rows": 0.0}
         self.optimizer.zero_grad(set_to_none=True)
-        for i, batch in enumerate(batches):
-            last = i == len(batches) - 1
-            sync = contextlib.nullcontext() if last or self.world == 1 else self.wrapped.no_sync()
-            with sync, self._autocast():
+        for batch in batches:
+            weight = 1.0
+            if not batch:  # this rank's share ran out: the same passes, contributing nothing
+                batch, weight = mine[:1], 0.0
+            with self._autocast():
                 logprobs, mask = completion_logprobs(
-                    self.wrapped, batch, self.device, self.config.temperature, self.pad_id
+                    self.policy, batch, self.device, self.config.temperature, self.pad_id
                 )
                 width = logprobs.shape[1]
                 behaviour = _padded([s.behaviour_logprobs for s in batch], width, self.device)
@@ -251,24 +387,21 @@ class Trainer:
                     logprobs,
                     behaviour,
                     advantages,
-                    mask,
+                    mask * weight,
                     self.config.clip_eps,
                     reference,
                     self.config.kl_coef,
                 )
-                # DDP averages gradients over ranks; x world turns that back into a global sum.
+                # Gradients are averaged over ranks; x world turns that back into a global sum.
                 (loss_sum * self.world / total_tokens).backward()
             sums["loss"] += float(loss_sum.detach())
             sums["clipped_tokens"] += float(metrics["clipped_tokens"])
             sums["ratio_sum"] += float(metrics["ratio_sum"])
             if "kl_sum" in metrics:
                 sums["kl_sum"] += float(metrics["kl_sum"])
-                sums["kl_rows"] += float(mask.sum())
-        if not batches and self.world > 1:
-            raise ValueError("every rank needs at least one sample; give at least `world` samples")
-        grad_norm = float(
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.config.max_grad_norm)
-        )
+                sums["kl_rows"] += float((mask * weight).sum())
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+        grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
         loss, clipped, ratio, kl_sum, kl_rows = _all_reduce(
             [
@@ -296,7 +429,7 @@ class Trainer:
         if len(carried) == len(batch):  # stacked on inference: they came with the data
             return _padded(carried, width, self.device)
         if self.reference is not None:
-            with torch.no_grad(), self._autocast():
+            with torch.no_grad():
                 logprobs, _ = completion_logprobs(
                     self.reference,
                     batch,
@@ -307,48 +440,62 @@ class Trainer:
             return logprobs.to(self.device)
         return None
 
-    # -- what the learner publishes -------------------------------------------------------
+    # -- what the learner publishes (collective: every rank calls these) --------------------
 
     @torch.no_grad()
     def score(self, token_ids: list[int]) -> list[float]:
         """Logprob (temperature 1) of each token after the first: the parity probe."""
-        self.model.eval()
+        self.policy.eval()
         try:
             ids = torch.tensor([token_ids], device=self.device)
-            logits = self.model(input_ids=ids).logits.float()
-            scaled = torch.log_softmax(logits[:, :-1], dim=-1)
-            return scaled.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)[0].tolist()
+            positions = torch.arange(len(token_ids) - 1, device=self.device)
+            with self._autocast():
+                out = self.policy(
+                    ids, torch.ones_like(ids), torch.zeros_like(positions), positions, 1.0
+                )
+            return out.float().tolist()
         finally:
-            self.model.train()
+            self.policy.train()
 
-    def state_dict_for_inference(self) -> dict[str, torch.Tensor]:
-        # Cloned: tied embeddings share storage, which safetensors refuses to write twice.
-        return {
-            k: v.detach().to("cpu").contiguous().clone() for k, v in self.model.state_dict().items()
-        }
+    def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[TensorSpec]:
+        """The model's tensors in Hugging Face names, each gathered from the ranks (and cast
+        to `dtype`) only when it is produced: at most one whole tensor at a time."""
+        for name, tensor in self.model.state_dict().items():
+            local: Any = tensor.detach()
+            yield TensorSpec(name, tuple(local.shape), dtype or local.dtype, _gatherer(local))
 
-    def save_weights(self, path: Path) -> tuple[str, int]:
-        """Write the weights atomically (temp file, fsync, rename); returns (sha256, bytes)."""
-        from safetensors.torch import save_file
-
-        path.parent.mkdir(parents=True, exist_ok=True)
-        temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-        save_file(self.state_dict_for_inference(), str(temporary), metadata={"format": "pt"})
-        _fsync(temporary)
-        os.replace(temporary, path)
-        _fsync_dir(path.parent)
-        return sha256_of(path), path.stat().st_size
+    def save_weights(self, path: Path, dtype: str = "float32") -> tuple[str, int]:
+        """Write the weights in `dtype` (the engines'), streamed and hashed in one pass;
+        returns (sha256, bytes). Every rank gathers; rank 0 writes (others get ("", 0))."""
+        specs = self.full_tensors(WEIGHT_DTYPES[dtype])
+        if self.rank == 0:
+            return write_safetensors(path, specs)
+        for spec in specs:  # take part in each gather
+            spec.produce()
+        return "", 0
 
     def save_checkpoint(self, directory: Path, state: dict[str, Any]) -> Path:
         """A full checkpoint (model and tokenizer in HF format, optimizer, trainer and job
-        state), written under a temporary name and renamed: it exists whole or not at all."""
+        state), written under a temporary name and renamed by rank 0: it exists whole or not
+        at all. Every rank takes part in gathering the shards."""
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+        )
+
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model_state = get_model_state_dict(self.model, options=options)
+        optimizer_state = get_optimizer_state_dict(self.policy, self.optimizer, options=options)
+        if self.rank != 0:
+            return directory
         temporary = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
         if temporary.exists():
             shutil.rmtree(temporary)
         temporary.mkdir(parents=True)
-        self.model.save_pretrained(temporary, safe_serialization=True)
+        self.model.save_pretrained(temporary, state_dict=model_state, safe_serialization=True)
         self.tokenizer.save_pretrained(temporary)
-        torch.save(self.optimizer.state_dict(), temporary / "optimizer.pt")
+        torch.save(optimizer_state, temporary / "optimizer.pt")
         (temporary / "trainer_state.json").write_text(
             json.dumps({"steps": self.steps, "config": asdict(self.config), **state}, indent=2)
             + "\n"
@@ -362,17 +509,74 @@ class Trainer:
         return directory
 
     def load_checkpoint(self, directory: Path) -> dict[str, Any]:
-        """Restore model, optimizer and step from a checkpoint; returns its saved state."""
-        from transformers import AutoModelForCausalLM
-
-        loaded = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
-        self.model.load_state_dict(loaded.state_dict())
-        self.optimizer.load_state_dict(
-            torch.load(directory / "optimizer.pt", map_location=self.device, weights_only=True)
+        """Restore model, optimizer and step from a checkpoint; returns its saved state.
+        Rank 0 reads the files and the ranks take their shards from it."""
+        from safetensors.torch import load_file
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
         )
+
+        sharded = self.world > 1
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
+        model_state: dict[str, Any] = {}
+        optimizer_state: dict[str, Any] = {}
+        if self.rank == 0 or not sharded:
+            for file in sorted(directory.glob("*.safetensors")):
+                model_state.update(load_file(str(file)))
+            if "lm_head.weight" not in model_state and self.model.config.tie_word_embeddings:
+                model_state["lm_head.weight"] = model_state["model.embed_tokens.weight"]
+            optimizer_state = torch.load(
+                directory / "optimizer.pt", map_location="cpu", weights_only=True
+            )
+        set_model_state_dict(self.model, model_state, options=options)
+        set_optimizer_state_dict(self.policy, self.optimizer, optimizer_state, options=options)
         state = json.loads((directory / "trainer_state.json").read_text())
         self.steps = state["steps"]
         return state
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds of the parameters, their gradients and the optimizer state
+        (local shards only): what sharding divides."""
+
+        def local(t: torch.Tensor) -> int:
+            t = t.to_local() if hasattr(t, "to_local") else t
+            return t.numel() * t.element_size()
+
+        parameters = list(self.policy.parameters())
+        return {
+            "parameters": sum(local(p) for p in parameters),
+            "gradients": sum(local(p.grad) for p in parameters if p.grad is not None),
+            "optimizer": sum(
+                local(v)
+                for state in self.optimizer.state.values()
+                for v in state.values()
+                if isinstance(v, torch.Tensor) and v.dim() > 0
+            ),
+        }
+
+
+def _shard(policy: torch.nn.Module, device: str) -> torch.nn.Module:
+    """FSDP2 over the process group: each decoder layer a unit, the rest (embeddings, final
+    norm, output layer) in the root. bf16 compute and fp32 gradient reduction on GPUs."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    precision = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if device.startswith("cuda")
+        else MixedPrecisionPolicy()
+    )
+    lm: Any = policy.lm
+    for layer in lm.model.layers:
+        fully_shard(layer, mp_policy=precision)
+    fully_shard(policy, mp_policy=precision)
+    return policy
+
+
+def _gatherer(tensor: Any) -> Callable[[], torch.Tensor]:
+    """A function giving the whole of `tensor`, gathered from the ranks if it is sharded."""
+    return tensor.full_tensor if hasattr(tensor, "full_tensor") else lambda: tensor
 
 
 def _fsync(path: Path) -> None:

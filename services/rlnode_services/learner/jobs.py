@@ -146,6 +146,8 @@ class JobManager:
             source=self.bus.service,
             on_progress=lambda step: self._set(job_id, step=step),
             reference_device=self.settings.reference_device,
+            weights_dir=self.settings.weights_dir,
+            weights_dtype=self.settings.engine_dtype,
         )
         self.runners[record.job_id] = runner
         self._set(record.job_id, status="running")

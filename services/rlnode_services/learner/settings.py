@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
+from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import SettingsConfigDict
@@ -38,6 +40,16 @@ class LearnerSettings(ServiceSettings):
         description="Where a job with reference 'dedicated' keeps its reference model "
         "(the GPU plan sets it: the dedicated GPU); otherwise beside the policy.",
     )
+    weights_dir: Path | None = Field(
+        None,
+        description="Where weight versions are written for the generators (default: "
+        "/dev/shm when it has room, else beside the checkpoints).",
+    )
+    weights_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto",
+        description="The dtype weight versions are written in: the engines' (auto: bfloat16 "
+        "when training on GPUs, float32 on the CPU).",
+    )
     visible_gpus: int = Field(
         0, ge=0, description="GPUs this node has (the plan checks requests against it)."
     )
@@ -69,6 +81,12 @@ class LearnerSettings(ServiceSettings):
         if value is not None and value != "cpu" and not re.fullmatch(r"cuda(:\d+)?", value):
             raise ValueError(f"unknown device {value!r}: use 'cpu' or 'cuda:N'")
         return value
+
+    @property
+    def engine_dtype(self) -> str:
+        if self.weights_dtype != "auto":
+            return self.weights_dtype
+        return "bfloat16" if self.devices.startswith("cuda") else "float32"
 
     @property
     def device_list(self) -> list[str]:

@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from rlnode.engine import Engine, EngineError, create_engine
 from rlnode.messages import ModelSpec, WeightVersion
-from rlnode.messages.weights import sha256_of
 from rlnode_services.rollout_generator.settings import GeneratorSettings
 
 log = logging.getLogger("rollout_generator.engines")
@@ -88,13 +87,8 @@ class EnginePool:
             path = version.path
             if not path.is_file():
                 raise WeightsRefused(f"no weights file at {path}")
-            actual = await asyncio.to_thread(sha256_of, path)
-            if actual != version.sha256:
-                raise WeightsRefused(
-                    f"sha256 of {path.name} is {actual[:16]}…, the WeightVersion says {version.sha256[:16]}…"
-                )
             try:
-                seconds = await engines.policy.load_weights(path, version.version)
+                seconds = await engines.policy.load_weights(path, version.version, version.sha256)
             except EngineError as e:
                 raise WeightsRefused(str(e)) from None
             engines.loaded_version = version.version
