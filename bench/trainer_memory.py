@@ -8,7 +8,8 @@ Per rank and configuration, each in fresh processes:
   those tensors, counted after the step);
 - peak RSS during one step (VmHWM, reset just before the step) and the step's seconds;
 and the output layer alone at the same micro-batch: the peak RSS of today's logits path
-(log-softmax over [rows, positions, vocab]) against the chunked one, forward + backward.
+(log-softmax over [rows, positions, vocab]) against the chunked one, forward + backward to
+the hidden states.
 
     python bench/trainer_memory.py [--rows 4] [--prompt 64] [--completion 192]
 
@@ -160,7 +161,9 @@ def head_main(mode: str, args: dict, out: str) -> None:
     torch.manual_seed(0)
     hidden = torch.randn(rows, length, shape.hidden, requires_grad=True)
     vocab = shape.vocab or 4096  # the BPE tokenizer's size when the preset leaves it open
-    weight = (torch.randn(vocab, shape.hidden) * 0.02).requires_grad_()
+    # Frozen here: the output layer's weight gradient is a parameter gradient, counted with
+    # the trainer's state above; this measures what is shaped like the logits.
+    weight = torch.randn(vocab, shape.hidden) * 0.02
     targets = torch.randint(0, vocab, (rows, length))
 
     def run(hidden, weight, targets) -> None:
@@ -177,11 +180,7 @@ def head_main(mode: str, args: dict, out: str) -> None:
         loss.backward()
 
     # Once on a sliver first: the first backward allocates autograd's own state.
-    run(
-        hidden[:1].detach().requires_grad_(),
-        weight[:64].detach().requires_grad_(),
-        targets[:1] % 64,
-    )
+    run(hidden[:1].detach().requires_grad_(), weight[:64], targets[:1] % 64)
     before = _status("VmRSS")
     _reset_peak()
     run(hidden, weight, targets)
@@ -249,7 +248,7 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=4, help="sequences per micro-batch per rank")
     parser.add_argument("--prompt", type=int, default=64, help="prompt tokens per sequence")
     parser.add_argument("--completion", type=int, default=192, help="completion tokens")
-    parser.add_argument("--chunk", type=int, default=256, help="logit_chunk_tokens")
+    parser.add_argument("--chunk", type=int, default=64, help="logit_chunk_tokens")
     parser.add_argument("--preset", default="qwen2.5-0.5b", help="rlnode model init preset")
     args = parser.parse_args()
     from rlnode.models.build import init_model, shape_of

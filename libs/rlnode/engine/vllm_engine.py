@@ -95,7 +95,7 @@ class VLLMEngine:
             options["max_model_len"] = max_model_len
         args = AsyncEngineArgs(**options)
         self._vllm = vllm
-        self._engine = AsyncLLM.from_engine_args(args)
+        self._engine: Any = AsyncLLM.from_engine_args(args)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self._expected = _safetensors_shapes(self.model_path)
         config = json.loads((self.model_path / "config.json").read_text())
@@ -195,6 +195,9 @@ class VLLMEngine:
             return
         self.closed = True
         self._engine.shutdown()
+        # Dropped now, while the interpreter is whole: AsyncLLM shuts down again when it is
+        # collected, which at interpreter exit fails on half-torn-down modules.
+        self._engine = None
         shutil.rmtree(self._staging, ignore_errors=True)
 
     async def _run(self, prompt: Any, params: Any) -> Any:

@@ -64,7 +64,7 @@ class TrainingSpec(StrictModel):
     checkpoint_every: PositiveInt = 10
     tokens_per_micro_batch: PositiveInt = Field(8192, description="Gradient-accumulation budget.")
     logit_chunk_tokens: PositiveInt = Field(
-        256,
+        64,
         le=65_536,
         description="Completion tokens whose full-vocabulary logits exist at once when the "
         "trainer computes logprobs (recomputed in the backward pass): bounds that memory.",

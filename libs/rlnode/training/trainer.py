@@ -52,7 +52,7 @@ class TrainerConfig:
     tokens_per_micro_batch: int
     minibatches: int  # optimizer steps per training step (see minibatch_parts)
     seed: int
-    logit_chunk_tokens: int = 256
+    logit_chunk_tokens: int = 64
     activation_checkpointing: bool = False
 
     @classmethod
