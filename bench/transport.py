@@ -2,7 +2,7 @@
 raw consumer) for trajectories of realistic size, against encoding + decoding alone; (2)
 weight-sync latency as the node does it (the trainer streams safetensors in the engines'
 dtype, hashing as it writes; a WeightVersion over the broker; the engine reads the file once,
-checks its sha256 and loads it) against a raw safetensors save + load of the same weights in
+checks its BLAKE3 digest and loads it) against a raw safetensors save + load of the same weights in
 the same dtype and directory (/dev/shm when it exists, as the learner uses). Interleaved
 rounds. Writes bench/results/transport.{json,md}.
 
@@ -86,7 +86,7 @@ def codec_only(batch: list[Trajectory]) -> float:
 async def weight_sync(
     settings: KafkaSettings, trainer: Trainer, engine: TorchEngine, path: Path, dtype: str
 ):
-    """Publish -> received -> sha256 checked -> loaded; seconds."""
+    """Publish -> received -> digest checked -> loaded; seconds."""
     bus = Bus(settings, service="bench-weights")
     arrived: asyncio.Queue = asyncio.Queue()
 
@@ -106,7 +106,7 @@ async def weight_sync(
                 version=1,
                 step=1,
                 uri=path.as_uri(),
-                sha256=digest,
+                blake3=digest,
                 size_bytes=size,
                 dtype=dtype,
                 probe=ParityProbe(token_ids=[0, 1], logprobs=[0.0]),
@@ -116,7 +116,7 @@ async def weight_sync(
             version = await arrived.get()
             if version.job_id == job:
                 break
-        await engine.load_weights(path, 1, version.sha256)
+        await engine.load_weights(path, 1, version.blake3)
         return time.perf_counter() - started, size
     finally:
         await bus.stop()
@@ -204,7 +204,7 @@ def main() -> None:
         f"| encode + decode only | {args.trajectories / m['codec_s']:.0f} trajectories/s | "
         + ", ".join(f"{args.trajectories / s:.0f}" for s in runs["codec_s"])
         + " |",
-        f"| weight sync ({weights_bytes / 1e6:.0f} MB, {args.dtype}): write + sha256 + publish + receive + check + load | {m['sync_s'] * 1000:.0f} ms | "
+        f"| weight sync ({weights_bytes / 1e6:.0f} MB, {args.dtype}): write + BLAKE3 + publish + receive + check + load | {m['sync_s'] * 1000:.0f} ms | "
         + ", ".join(f"{s * 1000:.0f}" for s in runs["sync_s"])
         + " |",
         f"| raw safetensors save + load of the same weights | {m['raw_s'] * 1000:.0f} ms | "

@@ -5,13 +5,13 @@ same weights reproduces, weight versions, and generators that die."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import os
 import signal
 import sys
 import uuid
 from pathlib import Path
 
+import blake3
 import httpx
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -264,7 +264,7 @@ def _perturbed_weights(model: Path, out: Path, scale: float) -> tuple[Path, str]
         for k, v in state.items()
     }
     save_file(changed, str(out))
-    return out, hashlib.sha256(out.read_bytes()).hexdigest()
+    return out, blake3.blake3(out.read_bytes()).hexdigest()
 
 
 async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
@@ -294,13 +294,13 @@ async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
         version=1,
         step=1,
         uri=path.as_uri(),
-        sha256="0" * 64,
+        blake3="0" * 64,
         size_bytes=path.stat().st_size,
         dtype="float32",
         probe=probe,
     )
     await producer.publish(bad)
-    good = bad.model_copy(update={"version": 2, "sha256": digest, "id": uuid.uuid4()})
+    good = bad.model_copy(update={"version": 2, "blake3": digest, "id": uuid.uuid4()})
     await producer.publish(good)
     # Tagged with version 2, as the learner tags work: the generator waits until it has
     # loaded v2 before sampling them (no sleep standing in for that).
@@ -318,7 +318,7 @@ async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
     )
     refused = [e for e in events if e.type is JobEventType.WEIGHTS_REFUSED]
     loaded = [e for e in events if e.type is JobEventType.WEIGHTS_LOADED]
-    assert [e.data["version"] for e in refused] == [1] and "sha256" in refused[0].data["reason"]
+    assert [e.data["version"] for e in refused] == [1] and "BLAKE3" in refused[0].data["reason"]
     assert [e.data["version"] for e in loaded] == [2]
     assert loaded[0].data["probe_ok"] is True and loaded[0].data["probe_max_abs_diff"] < 1e-4
     later_ids = {w.id for w in later}
@@ -673,7 +673,7 @@ async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads
             version=1,
             step=1,
             uri=path.as_uri(),
-            sha256=digest,
+            blake3=digest,
             size_bytes=path.stat().st_size,
             dtype="float32",
             probe=probe,

@@ -162,8 +162,8 @@ def test_weight_version_must_point_into_the_store_with_a_digest() -> None:
     wv = next(m for m in example_payloads() if isinstance(m, WeightVersion))
     with pytest.raises(ValidationError, match="uri"):
         WeightVersion.model_validate({**wv.model_dump(), "uri": "s3://bucket/w"})
-    with pytest.raises(ValidationError, match="sha256"):
-        WeightVersion.model_validate({**wv.model_dump(), "sha256": "abc"})
+    with pytest.raises(ValidationError, match="blake3"):
+        WeightVersion.model_validate({**wv.model_dump(), "blake3": "abc"})
     with pytest.raises(ValidationError, match="a probe of 3 tokens has 2 logprobs, not 1"):
         ParityProbe(token_ids=[1, 2, 3], logprobs=[0.0])
 

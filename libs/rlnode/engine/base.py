@@ -11,10 +11,11 @@ ratio is 1 when the weights are equal. `score` gives prompt logprobs at temperat
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
+
+import blake3
 
 
 class EngineError(RuntimeError):
@@ -51,10 +52,10 @@ class Engine(Protocol):
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Sample a completion; concurrent calls are batched together."""
 
-    async def load_weights(self, path: Path, version: int, sha256: str | None = None) -> float:
+    async def load_weights(self, path: Path, version: int, digest: str | None = None) -> float:
         """Load a safetensors state dict between batches (never during one); returns the
-        seconds it took. Requests after it see `version`. Given `sha256`, a file whose bytes
-        hash otherwise is refused (EngineError) and nothing is loaded."""
+        seconds it took. Requests after it see `version`. Given `digest` (BLAKE3, hex), a file
+        whose bytes hash otherwise is refused (EngineError) and nothing is loaded."""
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """For each sequence, the logprob of every token after the first given those before
@@ -82,12 +83,12 @@ def check_weights_fit(
         )
 
 
-def check_sha256(path: Path, data: bytes | None, expected: str | None) -> None:
-    """Refuse weights whose sha256 is not the one published (hashing `data` when the caller
-    has read the file already, else reading it)."""
+def check_digest(path: Path, data: bytes | None, expected: str | None) -> None:
+    """Refuse weights whose BLAKE3 digest is not the one published (hashing `data` when the
+    caller has read the file already, else reading it)."""
     if expected is None:
         return
-    digest = hashlib.sha256()
+    digest = blake3.blake3()
     if data is not None:
         digest.update(data)
     else:
@@ -97,7 +98,8 @@ def check_sha256(path: Path, data: bytes | None, expected: str | None) -> None:
     actual = digest.hexdigest()
     if actual != expected:
         raise EngineError(
-            f"sha256 of {path.name} is {actual[:16]}…, the WeightVersion says {expected[:16]}…"
+            f"the BLAKE3 digest of {path.name} is {actual[:16]}…, the WeightVersion says "
+            f"{expected[:16]}…"
         )
 
 

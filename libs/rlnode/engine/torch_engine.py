@@ -17,7 +17,7 @@ from rlnode.engine.base import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
-    check_sha256,
+    check_digest,
     check_weights_fit,
 )
 
@@ -104,9 +104,9 @@ class TorchEngine:
         await self._queue.put(_Pending(request, future))
         return await future
 
-    async def load_weights(self, path: Path, version: int, sha256: str | None = None) -> float:
+    async def load_weights(self, path: Path, version: int, digest: str | None = None) -> float:
         started = time.perf_counter()
-        state = await asyncio.to_thread(self._read_weights, path, sha256)
+        state = await asyncio.to_thread(self._read_weights, path, digest)
         async with self._model_lock:  # waits for the batch in flight to finish
             await asyncio.to_thread(self._apply_state, state)
             self.policy_version = version
@@ -167,12 +167,12 @@ class TorchEngine:
 
     # -- compute (in a worker thread) ------------------------------------------------------
 
-    def _read_weights(self, path: Path, sha256: str | None) -> dict[str, Any]:
+    def _read_weights(self, path: Path, digest: str | None) -> dict[str, Any]:
         """One read of the file: its bytes are hashed and parsed from the same buffer."""
         from safetensors.torch import load
 
         data = path.read_bytes()
-        check_sha256(path, data, sha256)
+        check_digest(path, data, digest)
         return {k: v.to(self.device) for k, v in load(data).items()}
 
     def _apply_state(self, state: dict[str, Any]) -> None:

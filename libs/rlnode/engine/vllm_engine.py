@@ -28,7 +28,7 @@ from rlnode.engine.base import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
-    check_sha256,
+    check_digest,
     check_weights_fit,
 )
 
@@ -131,11 +131,11 @@ class VLLMEngine:
         finish: FinishReason = "stop" if completion.finish_reason == "stop" else "length"
         return GenerationResult(ids, logprobs, finish, version)
 
-    async def load_weights(self, path: Path, version: int, sha256: str | None = None) -> float:
+    async def load_weights(self, path: Path, version: int, digest: str | None = None) -> float:
         started = time.perf_counter()
         # vLLM's worker reads the file in its own process, so the check is a read of its own
         # (from the page cache, or from memory when the learner writes to /dev/shm).
-        await asyncio.to_thread(check_sha256, path, None, sha256)
+        await asyncio.to_thread(check_digest, path, None, digest)
         staged = await asyncio.to_thread(self._stage, path, version)
         async with self._load_lock:
             await self._engine.pause_generation(mode="wait", clear_cache=True)

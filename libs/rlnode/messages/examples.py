@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
 import uuid
+
+import blake3
 
 from rlnode.messages.config import JobConfig, ModelSpec, SamplingSpec, TaskAppSpec
 from rlnode.messages.dead_letters import DeadLetter
@@ -106,7 +107,7 @@ def example_payloads(job_id: str = "job-example", org_id: str = "org-example") -
             version=3,
             step=3,
             uri=f"file:///var/lib/rlnode/checkpoints/{job_id}/weights/v3.safetensors",
-            sha256=hashlib.sha256(b"weights").hexdigest(),
+            blake3=blake3.blake3(b"weights").hexdigest(),
             size_bytes=123_456,
             dtype="float32",
             probe=ParityProbe(token_ids=[1, 15, 27], logprobs=[-3.2, -4.1]),

@@ -144,7 +144,7 @@ class WeightsPublishedData(EventData):
     version: NonNegativeInt
     step: NonNegativeInt
     uri: str
-    sha256: str
+    blake3: str
 
 
 class WeightsLoadedData(EventData):

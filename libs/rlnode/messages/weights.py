@@ -30,13 +30,17 @@ class ParityProbe(StrictModel):
 
 
 class WeightVersion(Envelope):
-    SCHEMA: ClassVar[Literal["rlnode.WeightVersion/1"]] = "rlnode.WeightVersion/1"
-    schema_: Literal["rlnode.WeightVersion/1"] = Field(SCHEMA, alias="schema")
+    SCHEMA: ClassVar[Literal["rlnode.WeightVersion/2"]] = "rlnode.WeightVersion/2"
+    schema_: Literal["rlnode.WeightVersion/2"] = Field(SCHEMA, alias="schema")
 
     version: NonNegativeInt
     step: NonNegativeInt
     uri: str = Field(pattern=r"^file://", description="file:// URI in the checkpoint store.")
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    blake3: str = Field(
+        pattern=r"^[0-9a-f]{64}$",
+        description="BLAKE3 of the file (hex): hashed by the learner as it writes, checked by "
+        "every reader. (/1 carried a sha256: 1 GB/s against BLAKE3's ~5 on one core.)",
+    )
     format: Literal["safetensors"] = "safetensors"
     size_bytes: NonNegativeInt
     dtype: Literal["float32", "bfloat16", "float16"]

@@ -336,7 +336,7 @@ class JobRunner:
                 version=version,
                 step=self.step,
                 uri=path.as_uri(),
-                sha256=digest,
+                blake3=digest,
                 size_bytes=size,
                 dtype=self.weights_dtype,
                 probe=probe,
@@ -347,7 +347,7 @@ class JobRunner:
         await self._event(
             JobEventType.WEIGHTS_PUBLISHED,
             f"weights v{version} after step {self.step}",
-            WeightsPublishedData(version=version, step=self.step, uri=path.as_uri(), sha256=digest),
+            WeightsPublishedData(version=version, step=self.step, uri=path.as_uri(), blake3=digest),
         )
 
     def _probe_ids(self) -> list[int]:

@@ -2,15 +2,14 @@
 
 The learner publishes weights this way: each tensor is produced (for a sharded model,
 gathered from the ranks and cast to the engines' dtype) just before it is written, so the
-peak is one tensor rather than the whole model, and the sha256 a WeightVersion carries comes
-from the same pass (no second read of the file). The format is safetensors' own: an 8-byte
+peak is one tensor rather than the whole model, and the BLAKE3 digest a WeightVersion
+carries comes from the same pass (no second read of the file). The format is safetensors' own: an 8-byte
 little-endian header length, a JSON header of names, dtypes, shapes and byte offsets, then
 the tensors' bytes in that order; `safetensors.safe_open` and vLLM read it as any other.
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import struct
@@ -19,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import blake3
 import torch
 
 DTYPE_NAMES = {
@@ -52,7 +52,7 @@ def write_safetensors(
     path: Path, tensors: Iterable[TensorSpec], metadata: dict[str, str] | None = None
 ) -> tuple[str, int]:
     """Write `tensors` to `path` atomically (temporary name, fsync, rename); returns the
-    file's sha256 and size. Each tensor is produced, checked against its spec, written and
+    file's BLAKE3 digest (hex) and size. Each tensor is produced, checked against its spec, written and
     hashed, then dropped."""
     specs = list(tensors)
     header: dict[str, object] = {"__metadata__": metadata or {"format": "pt"}}
@@ -68,7 +68,7 @@ def write_safetensors(
         offset += spec.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(len(encoded) + 8) % _ALIGN)
-    digest = hashlib.sha256()
+    digest = blake3.blake3()
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:

@@ -306,8 +306,14 @@ class Trainer:
             frozen = frozen.to(self.reference_device).eval()  # type: ignore[arg-type]  # as above
             frozen.requires_grad_(False)
             self.reference = CompletionLogprobs(frozen, config.logit_chunk_tokens)
+        # Fused: one kernel over all parameters, without the foreach implementation's
+        # parameter-sized temporaries (the peak of a step is the optimizer's when logits are
+        # chunked; measured in bench/results/trainer_memory.md).
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(), lr=config.learning_rate, weight_decay=config.weight_decay
+            self.policy.parameters(),
+            lr=config.learning_rate,
+            weight_decay=config.weight_decay,
+            fused=True,
         )
         self.steps = 0
         pad = self.tokenizer.pad_token_id
@@ -466,7 +472,7 @@ class Trainer:
 
     def save_weights(self, path: Path, dtype: str = "float32") -> tuple[str, int]:
         """Write the weights in `dtype` (the engines'), streamed and hashed in one pass;
-        returns (sha256, bytes). Every rank gathers; rank 0 writes (others get ("", 0))."""
+        returns (BLAKE3 hex, bytes). Every rank gathers; rank 0 writes (others get ("", 0))."""
         specs = self.full_tensors(WEIGHT_DTYPES[dtype])
         if self.rank == 0:
             return write_safetensors(path, specs)

@@ -64,7 +64,7 @@ class Indexer:
                     org_id=version.org_id,
                     step=version.step,
                     uri=version.uri,
-                    sha256=version.sha256,
+                    blake3=version.blake3,
                     size_bytes=version.size_bytes,
                     created_at=version.ts,
                 )

@@ -37,7 +37,7 @@ class WeightRecord(SQLModel, table=True):
     org_id: str = Field(max_length=128, index=True)
     step: int
     uri: str = Field(max_length=4096)
-    sha256: str = Field(max_length=64)
+    blake3: str = Field(max_length=64)
     size_bytes: int
     created_at: datetime = Field(
         default_factory=utc_now, sa_column=Column(UTCDateTime(), nullable=False)

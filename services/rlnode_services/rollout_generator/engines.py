@@ -88,7 +88,7 @@ class EnginePool:
             if not path.is_file():
                 raise WeightsRefused(f"no weights file at {path}")
             try:
-                seconds = await engines.policy.load_weights(path, version.version, version.sha256)
+                seconds = await engines.policy.load_weights(path, version.version, version.blake3)
             except EngineError as e:
                 raise WeightsRefused(str(e)) from None
             engines.loaded_version = version.version
