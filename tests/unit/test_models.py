@@ -91,3 +91,45 @@ def test_model_init_on_the_command_line(tmp_path, capsys) -> None:
     assert "qwen2 model" in capsys.readouterr().out
     assert cli(["model", "init", "--out", str(tmp_path / "bad"), "--heads", "5"]) == 2
     assert "not a multiple of heads 5" in capsys.readouterr().err
+
+
+def test_streamed_safetensors_read_back_by_safetensors_and_mapped_without_a_copy(tmp_path) -> None:
+    import blake3
+    from safetensors.torch import load_file
+
+    from rlnode.models.safetensors_io import MappedSafetensors, TensorSpec, write_safetensors
+
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.randn(7).to(torch.bfloat16),
+        "c": torch.arange(6).reshape(2, 3),
+        "empty": torch.zeros(0, 4),
+    }
+    specs = [TensorSpec(k, tuple(v.shape), v.dtype, lambda v=v: v) for k, v in tensors.items()]
+    digest, size = write_safetensors(tmp_path / "w.safetensors", specs)
+    data = (tmp_path / "w.safetensors").read_bytes()
+    assert digest == blake3.blake3(data).hexdigest() and size == len(data)
+    for reader in (load_file(str(tmp_path / "w.safetensors")),):
+        assert all(torch.equal(reader[k], v) for k, v in tensors.items())
+    with MappedSafetensors(tmp_path / "w.safetensors") as mapped:
+        assert blake3.blake3(mapped.buffer).hexdigest() == digest
+        assert all(torch.equal(mapped.tensors()[k], v) for k, v in tensors.items())
+
+
+def test_a_failed_write_leaves_nothing_behind(tmp_path) -> None:
+    from rlnode.models.safetensors_io import TensorSpec, write_safetensors
+
+    def broken() -> torch.Tensor:
+        raise RuntimeError("a rank went away")
+
+    specs = [
+        TensorSpec("a", (2,), torch.float32, lambda: torch.ones(2)),
+        TensorSpec("b", (2,), torch.float32, broken),
+    ]
+    with pytest.raises(RuntimeError, match="went away"):
+        write_safetensors(tmp_path / "w.safetensors", specs)
+    assert list(tmp_path.iterdir()) == []
+    wrong = [TensorSpec("a", (3,), torch.float32, lambda: torch.ones(2))]
+    with pytest.raises(ValueError, match="declared"):
+        write_safetensors(tmp_path / "w.safetensors", wrong)
+    assert list(tmp_path.iterdir()) == []

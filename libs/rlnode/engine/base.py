@@ -83,17 +83,17 @@ def check_weights_fit(
         )
 
 
-def check_digest(path: Path, data: bytes | None, expected: str | None) -> None:
-    """Refuse weights whose BLAKE3 digest is not the one published (hashing `data` when the
-    caller has read the file already, else reading it)."""
+def check_digest(path: Path, data: Any, expected: str | None) -> None:
+    """Refuse weights whose BLAKE3 digest is not the one published: of `data` (the file's
+    bytes, e.g. its mapping) or, given None, of the file read in blocks."""
     if expected is None:
         return
-    digest = blake3.blake3()
+    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
     if data is not None:
         digest.update(data)
     else:
         with open(path, "rb") as f:
-            for block in iter(lambda: f.read(1 << 22), b""):
+            for block in iter(lambda: f.read(1 << 24), b""):
                 digest.update(block)
     actual = digest.hexdigest()
     if actual != expected:

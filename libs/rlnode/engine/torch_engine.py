@@ -20,6 +20,7 @@ from rlnode.engine.base import (
     check_digest,
     check_weights_fit,
 )
+from rlnode.models.safetensors_io import MappedSafetensors
 
 log = logging.getLogger("rlnode.engine.torch")
 
@@ -105,11 +106,20 @@ class TorchEngine:
         return await future
 
     async def load_weights(self, path: Path, version: int, digest: str | None = None) -> float:
+        """The file is mapped, hashed from the mapping and copied from it into the model's
+        parameters: its pages are read once and the weights copied once."""
         started = time.perf_counter()
-        state = await asyncio.to_thread(self._read_weights, path, digest)
-        async with self._model_lock:  # waits for the batch in flight to finish
-            await asyncio.to_thread(self._apply_state, state)
-            self.policy_version = version
+        try:
+            mapped = await asyncio.to_thread(MappedSafetensors, path)
+        except (OSError, ValueError) as e:
+            raise EngineError(f"cannot read weights {path}: {e}") from None
+        try:
+            await asyncio.to_thread(check_digest, path, mapped.buffer, digest)
+            async with self._model_lock:  # waits for the batch in flight to finish
+                await asyncio.to_thread(self._apply_state, mapped.tensors())
+                self.policy_version = version
+        finally:
+            mapped.close()
         return time.perf_counter() - started
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:
@@ -166,14 +176,6 @@ class TorchEngine:
                     p.future.set_result(result)
 
     # -- compute (in a worker thread) ------------------------------------------------------
-
-    def _read_weights(self, path: Path, digest: str | None) -> dict[str, Any]:
-        """One read of the file: its bytes are hashed and parsed from the same buffer."""
-        from safetensors.torch import load
-
-        data = path.read_bytes()
-        check_digest(path, data, digest)
-        return {k: v.to(self.device) for k, v in load(data).items()}
 
     def _apply_state(self, state: dict[str, Any]) -> None:
         import torch

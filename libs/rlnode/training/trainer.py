@@ -32,8 +32,8 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from rlnode.messages import JobConfig, SamplingSpec, TrainingSpec
+from rlnode.models.safetensors_io import TensorSpec, write_safetensors
 from rlnode.training.grpo import Sample, clipped_objective
-from rlnode.training.safetensors_stream import TensorSpec, write_safetensors
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,4 +1,5 @@
-"""Write a safetensors file one tensor at a time, hashing the bytes as they are written.
+"""Write a safetensors file one tensor at a time, hashing the bytes as they are written; map
+one back as tensors that are views of the file (no copy).
 
 The learner publishes weights this way: each tensor is produced (for a sharded model,
 gathered from the ranks and cast to the engines' dtype) just before it is written, so the
@@ -11,6 +12,7 @@ the tensors' bytes in that order; `safetensors.safe_open` and vLLM read it as an
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 from collections.abc import Callable, Iterable
@@ -21,6 +23,13 @@ from typing import Any
 import blake3
 import torch
 
+DTYPES_BY_NAME = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+}
 DTYPE_NAMES = {
     torch.float32: "F32",
     torch.bfloat16: "BF16",
@@ -99,3 +108,52 @@ def write_safetensors(
     finally:
         os.close(directory)
     return digest.hexdigest(), path.stat().st_size
+
+
+class MappedSafetensors:
+    """A safetensors file mapped into memory (copy-on-write, so nothing is written back):
+    `tensors` are views of the mapping, `buffer` is the whole file for hashing. Reading
+    either touches the file's pages once; on /dev/shm they are memory already. Use as a
+    context manager: the views are invalid once it closes."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = open(path, "rb")  # closed in close()
+        try:
+            self._map = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_COPY)
+        except BaseException:
+            self._file.close()
+            raise
+        self.buffer = memoryview(self._map)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        (length,) = struct.unpack("<Q", self.buffer[:8])
+        header = json.loads(bytes(self.buffer[8 : 8 + length]))
+        start = 8 + length
+        out: dict[str, torch.Tensor] = {}
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            dtype = DTYPES_BY_NAME.get(entry["dtype"])
+            if dtype is None:
+                raise ValueError(f"{self.path.name}: {name} has dtype {entry['dtype']}")
+            begin, end = entry["data_offsets"]
+            if end == begin:  # frombuffer refuses a count of 0
+                out[name] = torch.empty(entry["shape"], dtype=dtype)
+                continue
+            flat = torch.frombuffer(
+                self._map, dtype=torch.uint8, count=end - begin, offset=start + begin
+            )
+            out[name] = flat.view(dtype).view(entry["shape"])
+        return out
+
+    def close(self) -> None:
+        self.buffer.release()
+        self._map.close()
+        self._file.close()
+
+    def __enter__(self) -> MappedSafetensors:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
