@@ -77,7 +77,7 @@ def write_safetensors(
         offset += spec.nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-(len(encoded) + 8) % _ALIGN)
-    digest = blake3.blake3()
+    digest = blake3.blake3(max_threads=blake3.blake3.AUTO)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
