@@ -7,10 +7,35 @@ import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from aiokafka import AIOKafkaConsumer, TopicPartition
+
 from rlnode.bus.localbroker import free_port
+from rlnode.messages import topics
 from rlnode.node.processes import ServiceProcess
 from rlnode.service.registry import SERVICES_BY_NAME
+from rlnode.testing import unique_id
 from tests.integration.vault_fixtures import RunningVault
+
+
+async def work_group_at_the_end(bootstrap: str) -> str:
+    """A consumer group of the caller's own that starts where the work topic ends now: no
+    earlier test's work to redo (work of other models, of jobs that never ended), and no
+    earlier test's members or failures to inherit."""
+    group = unique_id("gen")
+    consumer = AIOKafkaConsumer(
+        bootstrap_servers=bootstrap, group_id=group, enable_auto_commit=False
+    )
+    await consumer.start()
+    try:
+        partitions = [
+            TopicPartition(topics.ROLLOUT_WORK, p)
+            for p in consumer.partitions_for_topic(topics.ROLLOUT_WORK)
+        ]
+        consumer.assign(partitions)
+        await consumer.commit(await consumer.end_offsets(partitions))
+    finally:
+        await consumer.stop()
+    return group
 
 
 @dataclass

@@ -235,3 +235,12 @@ async def test_close_ends_the_engine_and_later_requests_fail_clearly(case) -> No
     await engine.close()
     with pytest.raises(EngineError, match="closed"):
         await engine.generate(GenerationRequest(_prompt(engine), max_tokens=2))
+
+
+def test_vllm_on_the_cpu_refuses_a_head_size_it_cannot_run(tmp_path) -> None:
+    """vLLM's CPU attention fails at the first request, not at start-up, on head sizes it
+    lacks (the demo's tiny model has 16): the engine says so before starting vLLM."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs it)")
+    tiny = init_model(tmp_path / "tiny", "tiny", seed=0)
+    with pytest.raises(EngineError, match=r"head size is 16 .*GENERATOR_ENGINE=torch"):
+        create_engine("vllm", tiny, device="cpu")

@@ -14,7 +14,6 @@ from pathlib import Path
 import blake3
 import httpx
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from fastapi import FastAPI, Header, HTTPException, Request
 from safetensors.torch import load_file
@@ -37,7 +36,7 @@ from rlnode.messages import (
 from rlnode.models.build import init_model, init_tiny_model
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.testing import ThreadedServer, unique_id
-from tests.integration.stack import Stack, start_stack
+from tests.integration.stack import Stack, start_stack, work_group_at_the_end
 
 pytestmark = pytest.mark.asyncio
 
@@ -75,23 +74,7 @@ async def until(predicate, within_s: float = 60.0) -> None:
 
 @pytest.fixture
 async def work_group(kafka_broker) -> str:
-    """A consumer group of this test's own that starts where the work topic ends now: no
-    earlier test's work to redo, and no earlier test's members or failures to inherit."""
-    group = unique_id("gen")
-    consumer = AIOKafkaConsumer(
-        bootstrap_servers=kafka_broker.bootstrap_servers, group_id=group, enable_auto_commit=False
-    )
-    await consumer.start()
-    try:
-        partitions = [
-            TopicPartition(topics.ROLLOUT_WORK, p)
-            for p in consumer.partitions_for_topic(topics.ROLLOUT_WORK)
-        ]
-        consumer.assign(partitions)
-        await consumer.commit(await consumer.end_offsets(partitions))
-    finally:
-        await consumer.stop()
-    return group
+    return await work_group_at_the_end(kafka_broker.bootstrap_servers)
 
 
 async def work_partitions(bootstrap: str) -> list[int]:

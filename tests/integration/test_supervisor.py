@@ -90,3 +90,48 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
     assert not (tmp_path / "node.json").exists()
     assert processes_with(str(tmp_path)) == []
     assert run_rlnode(env, "status").returncode == 1
+
+
+def test_a_killed_service_takes_the_processes_it_started_with_it(tmp_path) -> None:
+    """vLLM's engine core and workers, training ranks and managed Task Apps are children of
+    a service; killed (or stopped) before it could stop them, they must not live on holding
+    memory and GPUs."""
+    import os
+    import signal
+
+    from rlnode.node.processes import ServiceProcess
+    from rlnode.service.registry import ServiceSpec
+
+    spec = ServiceSpec("spawner", "tests.integration.spawning_service", 0, "SPAWNER_")
+    pid_file = tmp_path / "child.pid"
+    process = ServiceProcess(
+        spec, 0, tmp_path / "spawner.log", env={"SPAWNER_PID_FILE": str(pid_file)}
+    ).start()
+    deadline = time.monotonic() + 30
+    while not pid_file.exists() or not pid_file.read_text():
+        assert time.monotonic() < deadline, process.log_tail()
+        time.sleep(0.05)
+    child = int(pid_file.read_text())
+    os.kill(process.proc.pid, signal.SIGKILL)  # the service dies without cleaning up
+    process.proc.wait()
+    os.kill(child, 0)  # its child is still there, orphaned ...
+    process.stop()  # ... until the service is stopped (or started again)
+    deadline = time.monotonic() + 10
+    while _alive(child):
+        assert time.monotonic() < deadline, "the orphaned child survived"
+        time.sleep(0.05)
+
+
+def _alive(pid: int) -> bool:
+    import os
+
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = (
+        Path(f"/proc/{pid}/stat").read_text().split()[2]
+        if Path(f"/proc/{pid}/stat").exists()
+        else "X"
+    )
+    return status != "Z"  # a zombie waiting for init to reap it is gone for our purposes

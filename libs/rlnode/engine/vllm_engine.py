@@ -77,6 +77,9 @@ class VLLMEngine:
             raise EngineError(f"cannot load a model from {self.model_path}: no config.json there")
         self.policy_version = 0
         self.device = "cpu" if current_platform.is_cpu() else device
+        config = json.loads((self.model_path / "config.json").read_text())
+        if self.device == "cpu":
+            _check_cpu_head_size(config)
         options: dict[str, Any] = {
             "model": str(self.model_path),
             "dtype": dtype,
@@ -94,11 +97,13 @@ class VLLMEngine:
         if max_model_len:
             options["max_model_len"] = max_model_len
         args = AsyncEngineArgs(**options)
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         self._vllm = vllm
+        self._dead_error = EngineDeadError
         self._engine: Any = AsyncLLM.from_engine_args(args)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self._expected = _safetensors_shapes(self.model_path)
-        config = json.loads((self.model_path / "config.json").read_text())
         self._tied = bool(config.get("tie_word_embeddings", False))
         # vLLM's reload reads every *.safetensors in the directory it is given: each version
         # gets a directory of its own here, holding a link to the published file.
@@ -207,9 +212,28 @@ class VLLMEngine:
                 final = output
         except (ValueError, TypeError) as e:  # vLLM's input validation (lengths, token ids)
             raise EngineError(f"vLLM refused the request: {e}") from None
+        except self._dead_error as e:
+            raise EngineError(f"the vLLM engine has stopped: {e}") from None
         if final is None or not final.outputs:
             raise EngineError("vLLM returned no output")
         return final
+
+
+def _check_cpu_head_size(config: dict[str, Any]) -> None:
+    """vLLM's CPU attention supports a few head sizes and fails at the first request on any
+    other (the engine starts fine): refuse before starting it."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    heads = config.get("num_attention_heads") or 1
+    head_dim = config.get("head_dim") or config.get("hidden_size", 0) // heads
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim not in supported:
+        raise EngineError(
+            f"vLLM on the CPU cannot run this model: its attention head size is {head_dim} "
+            f"and vLLM's CPU attention takes {supported}; use the torch engine "
+            "(GENERATOR_ENGINE=torch) or a model with one of those (rlnode model init "
+            "--preset tiny-llama or tiny-qwen2)"
+        )
 
 
 def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:

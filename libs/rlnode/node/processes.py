@@ -4,6 +4,7 @@ check, stop it with SIGTERM. Used by the node, the supervisor and `rlnode doctor
 from __future__ import annotations
 
 import base64
+import contextlib
 import os
 import secrets
 import signal
@@ -93,14 +94,25 @@ class ServiceProcess:
     def start(self) -> ServiceProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
+            self._reap_group()  # what an earlier run of this service left behind
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", self.spec.package],
                 env=self.env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                # A process group of its own: the processes a service starts (vLLM's engine
+                # core and workers, training ranks, managed Task Apps) go with it, even when
+                # it was killed before it could stop them (they would hold memory and GPUs).
+                start_new_session=True,
             )
         return self
+
+    def _reap_group(self) -> None:
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def log_tail(self, chars: int = 2000) -> str:
         try:
@@ -140,4 +152,5 @@ class ServiceProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(timeout_s)
+        self._reap_group()
         return self.proc.returncode

@@ -52,8 +52,10 @@ class Indexer:
 
     async def on_weights(self, version: WeightVersion, _delivery: Delivery) -> None:
         if local_path(version.uri, self.root) is None:
-            log.warning(
-                "weights of %s outside the checkpoint store: %s", version.job_id, version.uri
+            # The learner writes weight versions to /dev/shm when it has room: working
+            # copies, pruned as training goes on, not artefacts to index (checkpoints are).
+            log.debug(
+                "weights of %s not indexed (outside the store): %s", version.job_id, version.uri
             )
             return
         with session_scope(self.engine) as s:
