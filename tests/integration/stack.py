@@ -16,6 +16,14 @@ from rlnode.service.registry import SERVICES_BY_NAME
 from rlnode.testing import unique_id
 from tests.integration.vault_fixtures import RunningVault
 
+# A rollout-generator on vLLM's CPU build: fp32 (the tests compare with fp32 forward passes)
+# and a small KV cache (several engines share this machine's memory).
+VLLM_ON_THE_CPU = {
+    "GENERATOR_ENGINE": "vllm",
+    "GENERATOR_DTYPE": "float32",
+    "GENERATOR_CPU_KV_CACHE_MIB": "256",
+}
+
 
 async def work_group_at_the_end(bootstrap: str) -> str:
     """A consumer group of the caller's own that starts where the work topic ends now: no

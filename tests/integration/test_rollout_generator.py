@@ -36,7 +36,7 @@ from rlnode.messages import (
 from rlnode.models.build import init_model, init_tiny_model
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.testing import ThreadedServer, unique_id
-from tests.integration.stack import Stack, start_stack, work_group_at_the_end
+from tests.integration.stack import VLLM_ON_THE_CPU, Stack, start_stack, work_group_at_the_end
 
 pytestmark = pytest.mark.asyncio
 
@@ -599,9 +599,7 @@ async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads
         "vllm",
         kafka_broker.bootstrap_servers,
         GENERATOR_WORK_GROUP=work_group,
-        GENERATOR_ENGINE="vllm",
-        GENERATOR_DTYPE="float32",
-        GENERATOR_CPU_KV_CACHE_MIB="256",
+        **VLLM_ON_THE_CPU,
     )
     generator.wait_healthy()
     job_id = unique_id("job")

@@ -15,7 +15,7 @@ from rlnode.messages import JobEventType
 from rlnode.models.build import init_model
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.testing import unique_id
-from tests.integration.stack import start_stack, work_group_at_the_end
+from tests.integration.stack import VLLM_ON_THE_CPU, start_stack, work_group_at_the_end
 from tests.integration.test_learner import User, start_learner, watch
 
 pytestmark = pytest.mark.asyncio
@@ -38,10 +38,8 @@ async def node(tmp_path_factory, kafka_broker):
         # Earlier tests' work on the shared topic is for other models (the tiny one has
         # head_dim 16, which vLLM's CPU attention refuses): start after it.
         GENERATOR_WORK_GROUP=await work_group_at_the_end(kafka_broker.bootstrap_servers),
-        GENERATOR_ENGINE="vllm",
-        GENERATOR_DTYPE="float32",
-        GENERATOR_CPU_KV_CACHE_MIB="256",
         GENERATOR_CONCURRENCY="32",
+        **VLLM_ON_THE_CPU,
     )
     generator.wait_healthy()
     learner_token = stack.vault.service_token(["taskapps:read", "secrets:read"], service="learner")

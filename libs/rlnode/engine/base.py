@@ -17,6 +17,8 @@ from typing import Any, Literal, Protocol
 
 import blake3
 
+from rlnode.models import TIED_OUTPUT
+
 
 class EngineError(RuntimeError):
     pass
@@ -64,17 +66,13 @@ class Engine(Protocol):
     async def close(self) -> None: ...
 
 
-# Tied embeddings: some writers save the output projection, others leave it to the input one.
-_TIED_OUTPUT = "lm_head.weight"
-
-
 def check_weights_fit(
     expected: dict[str, tuple[int, ...]], offered: dict[str, tuple[int, ...]]
 ) -> None:
     """Refuse weights whose tensor names or shapes differ from the model's, before any reaches
     the engine (a wrong shape inside vLLM's reload takes its worker down)."""
-    missing = sorted(k for k in expected.keys() - offered.keys() if k != _TIED_OUTPUT)
-    unexpected = sorted(k for k in offered.keys() - expected.keys() if k != _TIED_OUTPUT)
+    missing = sorted(k for k in expected.keys() - offered.keys() if k != TIED_OUTPUT)
+    unexpected = sorted(k for k in offered.keys() - expected.keys() if k != TIED_OUTPUT)
     reshaped = sorted(k for k in expected.keys() & offered.keys() if expected[k] != offered[k])
     if missing or unexpected or reshaped:
         raise EngineError(

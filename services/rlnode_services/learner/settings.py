@@ -69,8 +69,7 @@ class LearnerSettings(ServiceSettings):
         if not devices:
             raise ValueError("name at least one training device, e.g. 'cpu' or 'cuda:0'")
         for d in devices:
-            if d != "cpu" and not re.fullmatch(r"cuda(:\d+)?", d):
-                raise ValueError(f"unknown device {d!r}: use 'cpu' or 'cuda:N'")
+            _check_device(d)
         if len(set(devices)) != len(devices) and any(d != "cpu" for d in devices):
             raise ValueError(f"a GPU appears twice in {value!r}: each rank needs its own")
         return ",".join(devices)
@@ -78,8 +77,8 @@ class LearnerSettings(ServiceSettings):
     @field_validator("reference_device")
     @classmethod
     def _known_reference_device(cls, value: str | None) -> str | None:
-        if value is not None and value != "cpu" and not re.fullmatch(r"cuda(:\d+)?", value):
-            raise ValueError(f"unknown device {value!r}: use 'cpu' or 'cuda:N'")
+        if value is not None:
+            _check_device(value)
         return value
 
     @property
@@ -91,3 +90,8 @@ class LearnerSettings(ServiceSettings):
     @property
     def device_list(self) -> list[str]:
         return self.devices.split(",")
+
+
+def _check_device(device: str) -> None:
+    if device != "cpu" and not re.fullmatch(r"cuda(:\d+)?", device):
+        raise ValueError(f"unknown device {device!r}: use 'cpu' or 'cuda:N'")

@@ -10,6 +10,7 @@ from pydantic import Field, SecretStr
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.messages.topics import ROLLOUT_GENERATOR_GROUP
+from rlnode.node.plan import INFERENCE_FRACTION
 from rlnode.service.registry import GATEWAY, GENERATOR
 from rlnode.service.settings import ServiceSettings
 
@@ -39,7 +40,7 @@ class GeneratorSettings(ServiceSettings):
     )
     tensor_parallel: int = Field(1, ge=1, description="GPUs per vLLM engine.")
     gpu_memory_fraction: float = Field(
-        0.85,
+        INFERENCE_FRACTION,
         gt=0,
         le=0.95,
         description="vLLM: the share of each GPU's memory the policy engine may take "
