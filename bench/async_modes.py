@@ -52,7 +52,7 @@ async def run_job(jobs: JobsClient, config: JobConfig) -> dict:
 
 async def bench(node, org, model: Path, args) -> dict[int, list[dict]]:
     results: dict[int, list[dict]] = {m: [] for m in MODES}
-    async with JobsClient(org.org_id, org.token, node.kafka_settings()) as jobs:
+    async with node.jobs(org) as jobs:
         await run_job(jobs, job_config(model, args, 1))  # warm-up: model load, connections
         for round_ in range(args.repeats):
             for mode in MODES:

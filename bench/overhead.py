@@ -47,7 +47,7 @@ def main() -> None:
         with copy_task_node(Path(tmp) / "node", generator) as (node, org):
 
             async def services_round() -> float:
-                async with JobsClient(org.org_id, org.token, node.kafka_settings()) as jobs:
+                async with node.jobs(org) as jobs:
                     return await services_rate(jobs, model, args)
 
             asyncio.run(services_round())  # warm-up: the generator loads the model

@@ -166,7 +166,7 @@ def summarise(rewards: list[float], times: list[float], args) -> dict:
 
 async def interleaved_rounds(node, org, model: Path, args, workdir: Path) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {"rlnode": [], "trl": []}
-    async with JobsClient(org.org_id, org.token, node.kafka_settings()) as jobs:
+    async with node.jobs(org) as jobs:
         for round_ in range(args.repeats):
             for system in ("rlnode", "trl"):
                 if system == "rlnode":

@@ -55,6 +55,7 @@ class Stack:
     org_token: str
     key: str
     generator_token: str
+    operator_token: str
     processes: list[ServiceProcess] = field(default_factory=list)
 
     def generator(self, name: str, kafka_bootstrap: str, **env: str) -> ServiceProcess:
@@ -67,6 +68,7 @@ class Stack:
                 "KAFKA_SESSION_TIMEOUT_MS": "6000",
                 "KAFKA_HEARTBEAT_INTERVAL_MS": "2000",
                 "GENERATOR_GATEWAY_URL": self.gateway.url,
+                "GENERATOR_VAULT_URL": self.vault.url,
                 "GENERATOR_SERVICE_TOKEN": self.generator_token,
                 "GENERATOR_GENERATOR_ID": name,
                 "GENERATOR_MAX_WAIT_MS": "2",
@@ -115,4 +117,5 @@ def start_stack(directory: Path, **gateway_env: str) -> Stack:
         org_token=org_token,
         key=key,
         generator_token=vault.service_token(["rollouts:run"], service="rollout-generator"),
+        operator_token=vault.service_token(["node:ops"], service="operator"),
     )

@@ -17,7 +17,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from rlnode.engine import EngineError, GenerationRequest, create_engine, render_chat
+from rlnode.engine import (
+    BadPrompt,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    create_engine,
+    render_chat,
+)
 from rlnode.models.build import init_model
 
 TOLERANCE = 1e-3
@@ -186,6 +193,23 @@ async def test_many_concurrent_requests_each_get_their_own_answer(case) -> None:
         assert r.logprobs == pytest.approx(
             reference.sampled_logprobs(prompt, r.completion_ids), abs=TOLERANCE
         )
+
+
+async def test_a_prompt_the_model_cannot_embed_fails_alone(case) -> None:
+    engine, _reference = case
+    good = _prompt(engine)
+    outcomes = await asyncio.gather(
+        *(engine.generate(GenerationRequest(good, max_tokens=4)) for _ in range(3)),
+        engine.generate(GenerationRequest([*good, engine.vocab_size], max_tokens=4)),
+        engine.generate(GenerationRequest([-1, *good], max_tokens=4)),
+        return_exceptions=True,
+    )
+    assert all(isinstance(o, GenerationResult) for o in outcomes[:3]), outcomes[:3]
+    for refused in outcomes[3:]:
+        assert isinstance(refused, BadPrompt), refused
+        assert "outside this model's vocabulary" in str(refused)
+    with pytest.raises(BadPrompt):
+        await engine.score([[*good, engine.vocab_size + 7]])
 
 
 async def test_score_gives_prompt_logprobs(case) -> None:

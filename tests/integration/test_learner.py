@@ -18,6 +18,7 @@ from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, topic
 from rlnode.models.build import init_tiny_model
 from rlnode.node.processes import ServiceProcess
 from rlnode.sdk.gateway import GatewayClient
+from rlnode.sdk.vault import VaultClient
 from rlnode.service.registry import SERVICES_BY_NAME
 from rlnode.testing import unique_id
 from tests.integration.stack import start_stack
@@ -105,15 +106,25 @@ class User:
     def __init__(self, bus: Bus, stack) -> None:
         self.bus, self.stack = bus, stack
 
+    def job_token(self, job_id: str, org_token: str | None) -> str:
+        """A job token minted, as the SDK does, from `org_token` (default: the org's)."""
+        with VaultClient(self.stack.vault.url, org_token or self.stack.org_token) as vault:
+            return vault.create_job_token(job_id)
+
     async def start(
-        self, config: JobConfig, job_id: str | None = None, token: str | None = None
+        self,
+        config: JobConfig,
+        job_id: str | None = None,
+        token: str | None = None,
+        raw_token: str | None = None,
     ) -> str:
+        """`token`: the org token the job token is minted from; `raw_token`: sent as it is."""
         job_id = job_id or unique_id("job")
         await self.bus.publish(
             JobRequest(
                 job_id=job_id,
                 org_id=self.stack.org_id,
-                token=token or self.stack.org_token,
+                token=raw_token or self.job_token(job_id, token),
                 config=config,
             )
         )
@@ -124,7 +135,7 @@ class User:
             JobRequest(
                 job_id=job_id,
                 org_id=self.stack.org_id,
-                token=token or self.stack.org_token,
+                token=self.job_token(job_id, token),
                 action="cancel",
                 reason=reason,
             )
@@ -242,9 +253,16 @@ async def test_bad_requests_are_rejected_and_the_learner_keeps_serving(
         ),
         "other-org": (other_token, config, "cannot act on org"),
         "bad-token": ("rln1.garbage.token", config, "token was refused"),
+        "org-token": (stack.org_token, config, "job requests carry a job token"),
     }
+    raw = {"bad-token", "org-token"}  # sent as they are, not minted into a job token
     jobs = {
-        name: await user.start(cfg, unique_id(name), token)
+        name: await user.start(
+            cfg,
+            unique_id(name),
+            token=None if name in raw else token,
+            raw_token=token if name in raw else None,
+        )
         for name, (token, cfg, _) in cases.items()
     }
     raw = AIOKafkaProducer(bootstrap_servers=kafka_broker.bootstrap_servers)

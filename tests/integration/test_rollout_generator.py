@@ -61,9 +61,12 @@ def stop_generators_after_each_test(request):
             stack.processes.pop().stop()
 
 
-async def generator_status(process) -> dict:
+async def generator_status(stack: Stack, process) -> dict:
     async with httpx.AsyncClient() as http:
-        return (await http.get(f"{process.url}/v1/generator")).json()
+        headers = {"Authorization": f"Bearer {stack.operator_token}"}
+        response = await http.get(f"{process.url}/v1/generator", headers=headers)
+        response.raise_for_status()
+        return response.json()
 
 
 async def until(predicate, within_s: float = 60.0) -> None:
@@ -331,7 +334,7 @@ async def test_two_generators_share_work_and_a_killed_one_loses_none(
     b.wait_healthy()
 
     async def split() -> bool:  # both in the group, the partitions shared between them
-        held = [(await generator_status(g))["partitions"] for g in (a, b)]
+        held = [(await generator_status(stack, g))["partitions"] for g in (a, b)]
         return all(held) and sorted(held[0] + held[1]) == partitions
 
     partitions = await work_partitions(kafka_broker.bootstrap_servers)
@@ -344,7 +347,7 @@ async def test_two_generators_share_work_and_a_killed_one_loses_none(
         await producer.publish(item)
 
     async def b_is_mid_run() -> bool:
-        status = await generator_status(b)
+        status = await generator_status(stack, b)
         return status["trajectories_published"] >= 1 and status["rollouts_in_flight"] >= 1
 
     await until(b_is_mid_run)
@@ -481,7 +484,7 @@ async def test_a_failed_rollout_is_published_as_failed_not_dropped(
     assert "cannot load the job's model" in unloadable.failure.message
     # Failures are answers: the work after them is done and the partition moves on.
     assert trajectories[fine.id].status == "ok"
-    status = await generator_status(generator)
+    status = await generator_status(stack, generator)
     assert status["rollouts_in_flight"] == 0
     assert generator.stop() == 0
 
@@ -549,7 +552,7 @@ async def test_sigterm_mid_run_exits_cleanly_and_leaves_unfinished_work_to_other
 
         # Stop it once some rollouts are done while others are still in flight.
         async def mid_run() -> bool:
-            status = await generator_status(first)
+            status = await generator_status(stack, first)
             return status["trajectories_published"] >= 1 and status["rollouts_in_flight"] >= 1
 
         await until(mid_run)

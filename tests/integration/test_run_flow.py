@@ -22,7 +22,6 @@ from rlnode.messages import topics
 from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
-from rlnode.sdk.jobs import JobsClient
 from rlnode.testing import run_rlnode, unique_id
 
 STEPS = 4
@@ -76,6 +75,7 @@ def cli(node, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
         "RLNODE_TOKEN": org.token,
         "KAFKA_BOOTSTRAP_SERVERS": running.bootstrap,
         "RLNODE_CHECKPOINT_URL": running.url("checkpoint-server"),
+        "RLNODE_VAULT_URL": running.url("credential-vault"),
         "RLNODE_DATA_DIR": str(directory / "user"),
     }
     return run_rlnode(env, *args, timeout=timeout, cwd=directory)
@@ -284,11 +284,19 @@ async def test_any_kafka_client_can_drive_a_job(node) -> None:
     job_id = unique_id("raw")
     body = json.loads(config.read_text())
     body["training"]["steps"] = 1
+    # The job token the request carries, straight from the vault's HTTP API.
+    async with httpx.AsyncClient() as http:
+        minted = await http.post(
+            f"{running.url('credential-vault')}/v1/orgs/{org.org_id}/job-tokens",
+            json={"job_id": job_id},
+            headers={"Authorization": f"Bearer {org.token}"},
+        )
+    minted.raise_for_status()
     request = {
         "schema": "rlnode.JobRequest/1",
         "job_id": job_id,
         "org_id": org.org_id,
-        "token": org.token,
+        "token": minted.json()["token"],
         "action": "start",
         "config": body,
     }
@@ -316,6 +324,6 @@ async def test_any_kafka_client_can_drive_a_job(node) -> None:
     finally:
         await consumer.stop()
     assert seen[0] == "job.accepted" and seen[-1] == "job.completed", seen
-    async with JobsClient(org.org_id, org.token, running.kafka_settings()) as jobs:
+    async with running.jobs(org) as jobs:
         replay = [e.type.value async for e in jobs.events(job_id, follow=False)]
     assert replay[0] == "job.accepted" and "job.completed" in replay

@@ -12,6 +12,9 @@ from rlnode.service.auth import (
     TokenVerifier,
     bearer_token,
     read_unverified,
+    redact_token_bytes,
+    redact_tokens,
+    require_operator,
     sign_token,
 )
 
@@ -118,3 +121,34 @@ def test_bearer_header_parsing() -> None:
     assert bearer_token("Basic abc") is None
     assert bearer_token("Bearer ") is None
     assert bearer_token(None) is None
+
+
+def test_a_job_token_names_its_job_and_org_tokens_name_none(key) -> None:
+    verifier = _verifier(key)
+    job = sign_token(key, _claims(kind="job", job_id="job-1", scopes=frozenset({"jobs:write"})))
+    assert verifier.verify(job).job_id == "job-1"
+    assert verifier.verify(sign_token(key, _claims())).job_id is None
+    with pytest.raises(AuthError, match="unknown kind"):
+        verifier.verify(sign_token(key, _claims(kind="root")))
+
+
+def test_tokens_are_blanked_out_wherever_they_sit(key) -> None:
+    token = sign_token(key, _claims())
+    text = f'{{"note": {{"deep": ["x{token}y"]}}, "b": "{token}"}}'
+    assert token not in redact_tokens(text)
+    assert redact_tokens(text).count("rln1.[REDACTED]") == 2
+    assert token.encode() not in redact_token_bytes(text.encode())
+    assert redact_tokens("rln1 is the prefix") == "rln1 is the prefix"
+
+
+def test_only_node_wide_service_tokens_with_node_ops_are_operators() -> None:
+    operator = _claims(kind="service", org_id=None, scopes=frozenset({"node:ops"}))
+    assert require_operator(operator) is operator
+    for not_one in (
+        _claims(scopes=frozenset({"node:ops"})),  # an org token
+        _claims(kind="service", org_id=None, scopes=frozenset({"rollouts:run"})),
+        _claims(kind="service", org_id="acme", scopes=frozenset({"node:ops"})),
+    ):
+        with pytest.raises(AuthError) as refused:
+            require_operator(not_one)
+        assert refused.value.status == 403

@@ -19,6 +19,7 @@ from rlnode.messages import (
     topics,
 )
 from rlnode.messages.jobs import DeadLetteredData
+from rlnode.service.auth import redact_token_bytes, redact_tokens
 
 # A dead letter keeps at most this much of the bad record, so that it still fits the topic.
 PAYLOAD_LIMIT = 1024 * 1024
@@ -45,7 +46,9 @@ def dead_letter(
     group_id: str | None,
     document: Any,
 ) -> DeadLetter:
-    value: bytes = record.value or b""
+    # A token in a bad record (in whichever field) is not copied on: the dead-letter topic is
+    # read by operators, not only by the token's org.
+    value = redact_token_bytes(record.value or b"")
     job_id, org_id = named_job(document)
     return DeadLetter(
         job_id=job_id,
@@ -57,7 +60,7 @@ def dead_letter(
         consumer=consumer,
         consumer_group=group_id,
         error=error,
-        reason=reason,
+        reason=redact_tokens(reason),
         payload_b64=base64.b64encode(value[:PAYLOAD_LIMIT]).decode(),
         payload_size=len(value),
         payload_truncated=len(value) > PAYLOAD_LIMIT,

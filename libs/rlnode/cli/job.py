@@ -22,7 +22,7 @@ from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.sdk.jobs import JobsClient, load_config, new_job_id
 from rlnode.sdk.progress import QUIET, Progress, write_plot
 from rlnode.service.auth import AuthError, read_unverified
-from rlnode.service.registry import CHECKPOINT_SERVER
+from rlnode.service.registry import CHECKPOINT_SERVER, VAULT
 
 
 class CliError(RuntimeError):
@@ -44,9 +44,10 @@ def _credentials() -> tuple[str, str]:
     return org, token
 
 
-def _jobs() -> JobsClient:
+def _jobs(args: argparse.Namespace | None = None) -> JobsClient:
     org, token = _credentials()
-    return JobsClient(org, token, KafkaSettings(), service="cli")
+    vault_url = getattr(args, "vault_url", None)
+    return JobsClient(org, token, KafkaSettings(), service="cli", vault_url=vault_url)
 
 
 def _checkpoints(args: argparse.Namespace) -> CheckpointClient:
@@ -77,7 +78,7 @@ def _start(args: argparse.Namespace) -> int:
     job_id = args.job_id or new_job_id()
 
     async def run() -> int:
-        async with _jobs() as jobs:
+        async with _jobs(args) as jobs:
             await jobs.start(config, job_id)
             print(
                 f"job {job_id} requested ({config.training.steps} steps of {config.model.source})"
@@ -92,7 +93,7 @@ def _start(args: argparse.Namespace) -> int:
 
 def _cancel(args: argparse.Namespace) -> int:
     async def run() -> int:
-        async with _jobs() as jobs:
+        async with _jobs(args) as jobs:
             await jobs.cancel(args.job_id, args.reason)
         print(
             f"cancel of {args.job_id} requested; `rlnode job watch {args.job_id}` shows the outcome"
@@ -209,9 +210,16 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=None,
         help=f"default: {CHECKPOINT_SERVER.client_url_env} or {CHECKPOINT_SERVER.default_url}",
     )
+    # Each request carries a job token the vault mints from RLNODE_TOKEN.
+    vault = argparse.ArgumentParser(add_help=False)
+    vault.add_argument(
+        "--vault-url", default=None, help=f"default: {VAULT.client_url_env} or {VAULT.default_url}"
+    )
     job = commands.add_parser("job", help="start, watch, list and cancel training jobs")
     sub = job.add_subparsers(dest="job_command", required=True, metavar="ACTION")
-    start = sub.add_parser("start", help="validate CONFIG (TOML or JSON) and start a job")
+    start = sub.add_parser(
+        "start", parents=[vault], help="validate CONFIG (TOML or JSON) and start a job"
+    )
     start.add_argument("config")
     start.add_argument("--job-id", default=None, help="default: a new job-<hex> id")
     start.add_argument("--watch", action="store_true", help="follow the job until it ends")
@@ -227,7 +235,9 @@ def register(commands: argparse._SubParsersAction) -> None:
     status = sub.add_parser("status", parents=[server], help="one job's state and checkpoints")
     status.add_argument("job_id")
     status.set_defaults(run=_status)
-    cancel = sub.add_parser("cancel", help="stop a job (a checkpoint of its progress is kept)")
+    cancel = sub.add_parser(
+        "cancel", parents=[vault], help="stop a job (a checkpoint of its progress is kept)"
+    )
     cancel.add_argument("job_id")
     cancel.add_argument("--reason", default=None)
     cancel.set_defaults(run=_cancel)

@@ -1,6 +1,7 @@
 """Inference engines behind one interface (see `base.Engine`)."""
 
 from rlnode.engine.base import (
+    BadPrompt,
     Engine,
     EngineError,
     GenerationRequest,
@@ -24,6 +25,7 @@ def create_engine(kind: str, model_path, **options) -> Engine:
 
 
 __all__ = [
+    "BadPrompt",
     "Engine",
     "EngineError",
     "GenerationRequest",

@@ -24,6 +24,10 @@ class EngineError(RuntimeError):
     pass
 
 
+class BadPrompt(EngineError):
+    """The request is at fault (the caller gets 400), not the engine."""
+
+
 @dataclass
 class GenerationRequest:
     prompt_ids: list[int]
@@ -47,6 +51,7 @@ class GenerationResult:
 
 class Engine(Protocol):
     tokenizer: Any
+    vocab_size: int  # token ids a prompt may hold: 0 .. vocab_size - 1
     policy_version: int
     model_path: Path
     closed: bool
@@ -64,6 +69,19 @@ class Engine(Protocol):
         it (temperature 1)."""
 
     async def close(self) -> None: ...
+
+
+def check_prompt(prompt_ids: list[int], vocab_size: int) -> None:
+    """Refuse a prompt the model cannot embed before it joins a batch: one bad request must
+    fail alone, not the requests batched with it."""
+    if not prompt_ids:
+        raise BadPrompt("empty prompt")
+    low, high = min(prompt_ids), max(prompt_ids)
+    if low < 0 or high >= vocab_size:
+        bad = low if low < 0 else high
+        raise BadPrompt(
+            f"token id {bad} is outside this model's vocabulary (ids 0 to {vocab_size - 1})"
+        )
 
 
 def check_weights_fit(

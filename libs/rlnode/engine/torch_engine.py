@@ -18,6 +18,7 @@ from rlnode.engine.base import (
     GenerationRequest,
     GenerationResult,
     check_digest,
+    check_prompt,
     check_weights_fit,
 )
 from rlnode.models.safetensors_io import MappedSafetensors
@@ -80,6 +81,7 @@ class TorchEngine:
         self.max_batch_size = max_batch_size
         self.max_wait_s = max_wait_ms / 1000
         self.model, self.tokenizer = load_model(self.model_path, device, dtype)
+        self.vocab_size: int = self.model.get_input_embeddings().num_embeddings
         # transformers 5 calls the KV cache `cache`; 4.x called it `past_key_values`.
         parameters = inspect.signature(self.model.forward).parameters
         self._cache_arg = "cache" if "cache" in parameters else "past_key_values"
@@ -97,8 +99,7 @@ class TorchEngine:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if self.closed:
             raise EngineError("the engine was closed")
-        if not request.prompt_ids:
-            raise EngineError("empty prompt")
+        check_prompt(request.prompt_ids, self.vocab_size)
         if self._scheduler is None or self._scheduler.done():
             self._scheduler = asyncio.create_task(self._schedule(), name="torch-engine-scheduler")
         future = asyncio.get_running_loop().create_future()
@@ -123,6 +124,8 @@ class TorchEngine:
         return time.perf_counter() - started
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        for sequence in sequences:
+            check_prompt(sequence, self.vocab_size)
         async with self._model_lock:
             return await asyncio.to_thread(self.score_sync, sequences)
 

@@ -29,6 +29,7 @@ from rlnode.engine.base import (
     GenerationRequest,
     GenerationResult,
     check_digest,
+    check_prompt,
     check_weights_fit,
 )
 from rlnode.models import TIED_INPUT, TIED_OUTPUT
@@ -102,6 +103,7 @@ class VLLMEngine:
         self._dead_error = EngineDeadError
         self._engine: Any = AsyncLLM.from_engine_args(args)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.vocab_size = int(config["vocab_size"])
         self._expected = _safetensors_shapes(self.model_path)
         self._tied = bool(config.get("tie_word_embeddings", False))
         # vLLM's reload reads every *.safetensors in the directory it is given: each version
@@ -113,8 +115,7 @@ class VLLMEngine:
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         if self.closed:
             raise EngineError("the engine was closed")
-        if not request.prompt_ids:
-            raise EngineError("empty prompt")
+        check_prompt(request.prompt_ids, self.vocab_size)
         params = self._vllm.SamplingParams(
             max_tokens=request.max_tokens,
             temperature=request.temperature,
@@ -181,6 +182,8 @@ class VLLMEngine:
                 shutil.rmtree(old, ignore_errors=True)
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:
+        for sequence in sequences:
+            check_prompt(sequence, self.vocab_size)
         # Prompt logprobs are of the raw logits (temperature 1) in every logprobs mode.
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
         finals = await asyncio.gather(

@@ -26,14 +26,21 @@ class JobAction(StrEnum):
 
 
 class JobRequest(Envelope):
-    """Start a job (with its config) or cancel one. Carries the org's API token, which the
-    learner verifies before it acts on the request."""
+    """Start a job (with its config) or cancel one. Carries a job token (never the org token:
+    the topic is readable by its consumers): minted by the vault from the org token, good for
+    this one request about this job, for minutes; the learner verifies it and refuses it a
+    second time."""
 
     SCHEMA: ClassVar[Literal["rlnode.JobRequest/1"]] = "rlnode.JobRequest/1"
     schema_: Literal["rlnode.JobRequest/1"] = Field(SCHEMA, alias="schema")
 
     action: JobAction = JobAction.START
-    token: str = Field(min_length=1, repr=False, description="Org API token from the vault.")
+    token: str = Field(
+        min_length=1,
+        repr=False,
+        description="A job token from the vault (POST /v1/orgs/{org}/job-tokens): single-use, "
+        "for this job only, minutes long.",
+    )
     config: JobConfig | None = None
     reason: str | None = Field(None, max_length=2000, description="Why (for a cancel).")
 

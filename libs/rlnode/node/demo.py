@@ -16,7 +16,7 @@ from rlnode.messages import JobConfig, JobEventType, ends_the_job
 from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient
-from rlnode.sdk.jobs import JobError, JobsClient, new_job_id
+from rlnode.sdk.jobs import JobError, new_job_id
 from rlnode.sdk.progress import QUIET, Progress, terminal_curve, write_plot
 from rlnode.service.registry import CHECKPOINT_SERVER
 from rlnode.service.settings import NodeSettings
@@ -84,7 +84,7 @@ async def _train(node: LocalNode, org, config: JobConfig, say) -> tuple[str, lis
     rows: list[dict] = []
     job_id = new_job_id()
     accepted = False
-    async with JobsClient(org.org_id, org.token, node.kafka_settings(), service="demo") as jobs:
+    async with node.jobs(org, service="demo") as jobs:
         await jobs.start(config, job_id)
         async for event in jobs.events(job_id, wait_first_s=120):
             accepted = accepted or event.type is JobEventType.ACCEPTED

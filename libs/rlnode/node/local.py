@@ -23,7 +23,9 @@ from rlnode.examples import task_app_path
 from rlnode.node.plan import GpuPlan, engine_settings, learner_settings, serving_settings
 from rlnode.node.processes import ServiceProcess, ensure_local_credentials
 from rlnode.sdk.gateway import GatewayClient
+from rlnode.sdk.jobs import JobsClient
 from rlnode.sdk.vault import VaultClient
+from rlnode.service.files import private_dir
 from rlnode.service.registry import (
     CHECKPOINT_SERVER,
     GATEWAY,
@@ -98,7 +100,7 @@ class LocalNode:
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> LocalNode:
-        self.data_dir.mkdir(parents=True, exist_ok=True)
+        private_dir(self.data_dir)
         try:
             self._start()
         except BaseException:
@@ -126,7 +128,7 @@ class LocalNode:
             token = self._token_env(GENERATOR)
             for index, env in enumerate(generator_env):
                 name = f"gen{index}"
-                own = gateway_url | token | {"GENERATOR_ID": name}
+                own = vault_url | gateway_url | token | {"GENERATOR_ID": name}
                 self._service(GENERATOR, own, env, instance=name, index=index)
         if LEARNER.name in wanted:
             self._service(LEARNER, vault_url | gateway_url | self._token_env(LEARNER), learner_env)
@@ -267,6 +269,12 @@ class LocalNode:
 
     def admin(self) -> VaultClient:
         return VaultClient(self.url(VAULT.name), self.admin_token)
+
+    def jobs(self, org: Org, service: str = "sdk") -> JobsClient:
+        """A jobs client of `org` wired to this node's broker and vault."""
+        return JobsClient(
+            org.org_id, org.token, self.kafka_settings(), service, self.url(VAULT.name)
+        )
 
     def service_token(self, scopes: list[str], service: str) -> str:
         with self.admin() as admin:

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from rlnode.service.files import private_dir, private_file
 from rlnode.service.registry import ServiceSpec
 
 
@@ -41,8 +42,7 @@ class LocalCredentials:
 
 
 def ensure_local_credentials(data_dir: Path) -> LocalCredentials:
-    directory = data_dir / "secrets"
-    directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+    directory = private_dir(data_dir / "secrets")
     master, admin = directory / "vault-master.key", directory / "vault-admin.token"
     _write_once(master, base64.b64encode(secrets.token_bytes(32)).decode())
     _write_once(admin, secrets.token_urlsafe(32))
@@ -92,7 +92,7 @@ class ServiceProcess:
         return self.url + self.spec.health_path
 
     def start(self) -> ServiceProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        private_file(self.log_path)
         with open(self.log_path, "ab") as log:
             self._reap_group()  # what an earlier run of this service left behind
             self.proc = subprocess.Popen(

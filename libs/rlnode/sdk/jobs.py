@@ -1,6 +1,7 @@
-"""Jobs from Python: start one, cancel it, follow its events. Talks to the broker only (the
+"""Jobs from Python: start one, cancel it, follow its events. Talks to the broker (the
 learner owns jobs and answers on the job-events topic), so anything that reaches Kafka can
-run jobs.
+run jobs; and to the vault, once per request, for the job token the request carries (the org
+token never goes on Kafka).
 
     async with JobsClient(org_id, token) as jobs:
         job_id = await jobs.start(config)
@@ -10,6 +11,7 @@ run jobs.
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +22,7 @@ from rlnode.bus import Bus
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, ends_the_job, topics
 from rlnode.messages.codec import DecodeError, decode
+from rlnode.sdk.vault import VaultClient
 
 
 class JobError(RuntimeError):
@@ -46,10 +49,18 @@ def load_config(path: Path) -> JobConfig:
 
 class JobsClient:
     def __init__(
-        self, org_id: str, token: str, kafka: KafkaSettings | None = None, service: str = "sdk"
+        self,
+        org_id: str,
+        token: str,
+        kafka: KafkaSettings | None = None,
+        service: str = "sdk",
+        vault_url: str | None = None,
     ) -> None:
+        """`token`: the org token, which stays here (each request carries a job token minted
+        from it); `vault_url`: default RLNODE_VAULT_URL or the local vault."""
         self.org_id = org_id
         self.token = token
+        self.vault_url = vault_url
         self.kafka = kafka or KafkaSettings()
         self._bus = Bus(self.kafka, service=service)
         self._started = False
@@ -71,22 +82,29 @@ class JobsClient:
             self._started = True
         await self._bus.publish(request)
 
+    async def job_token(self, job_id: str) -> str:
+        """A single-use token for one request about `job_id`, from the vault."""
+
+        def mint() -> str:
+            with VaultClient(self.vault_url, self.token) as vault:
+                return vault.create_job_token(job_id, self.org_id)
+
+        return await asyncio.to_thread(mint)
+
     async def start(self, config: JobConfig, job_id: str | None = None) -> str:
         """Publish a start request; returns the job id (the learner answers on job-events)."""
         job_id = job_id or new_job_id()
+        token = await self.job_token(job_id)
         await self._publish(
-            JobRequest(job_id=job_id, org_id=self.org_id, token=self.token, config=config)
+            JobRequest(job_id=job_id, org_id=self.org_id, token=token, config=config)
         )
         return job_id
 
     async def cancel(self, job_id: str, reason: str | None = None) -> None:
+        token = await self.job_token(job_id)
         await self._publish(
             JobRequest(
-                job_id=job_id,
-                org_id=self.org_id,
-                token=self.token,
-                action="cancel",
-                reason=reason,
+                job_id=job_id, org_id=self.org_id, token=token, action="cancel", reason=reason
             )
         )
 

@@ -62,6 +62,11 @@ class VaultClient(ApiClient):
     def revoke_token(self, token_id: str, org_id: str | None = None) -> None:
         self._request("DELETE", f"/v1/orgs/{self._org(org_id)}/tokens/{token_id}")
 
+    def create_job_token(self, job_id: str, org_id: str | None = None) -> str:
+        """A job token: what a job request carries on Kafka (single-use, minutes long)."""
+        body = {"job_id": job_id}
+        return self._request("POST", f"/v1/orgs/{self._org(org_id)}/job-tokens", json=body)["token"]
+
     def create_service_token(
         self, service: str, scopes: list[str], org_id: str | None = None, ttl_s: int | None = None
     ) -> dict:

@@ -16,6 +16,8 @@ from fastapi import FastAPI
 from pydantic import ValidationError
 
 from rlnode import __version__
+from rlnode.service.auth import TOKEN_PATTERN, redact_tokens
+from rlnode.service.files import make_private, private_dir
 from rlnode.service.registry import ServiceSpec
 from rlnode.service.settings import ServiceSettings
 
@@ -27,10 +29,33 @@ class StartupError(RuntimeError):
     what to do; the process exits 2 without a traceback."""
 
 
+class RedactTokens(logging.Filter):
+    """Blanks out rlnode tokens in every log line, wherever a message or an exception put
+    one (a refused request may quote what it was sent)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if TOKEN_PATTERN.search(message):
+            record.msg, record.args = redact_tokens(message), None
+        if record.exc_info and record.exc_info[1] is not None:
+            record.exc_text = redact_tokens(logging.Formatter().formatException(record.exc_info))
+            record.exc_info = None
+        return True
+
+
 def configure_logging(service: str, level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format=f"%(asctime)s {service} %(levelname)s %(name)s: %(message)s"
     )
+    redact_log_handlers()
+
+
+def redact_log_handlers() -> None:
+    """Every handler of the root and uvicorn's loggers blanks tokens out."""
+    for name in ("", "uvicorn", "uvicorn.error", "uvicorn.access"):
+        for handler in logging.getLogger(name).handlers:
+            if not any(isinstance(f, RedactTokens) for f in handler.filters):
+                handler.addFilter(RedactTokens())
 
 
 def create_service_app(
@@ -40,7 +65,15 @@ def create_service_app(
     serves; services add their own checks to `app.state.health_checks` (name -> callable
     returning True when healthy)."""
     service = spec.name
-    app = FastAPI(title=f"rlnode {service}", version=__version__, **fastapi_args)
+    # No /docs or /redoc: every route but /health needs a token, and those pages fetch their
+    # scripts from a CDN. /openapi.json stays: it is the API's shape, public in the repo.
+    app = FastAPI(
+        title=f"rlnode {service}",
+        version=__version__,
+        docs_url=None,
+        redoc_url=None,
+        **fastapi_args,
+    )
     app.state.settings = settings
     app.state.service = service
     app.state.started_at = time.monotonic()
@@ -74,6 +107,7 @@ class _GracefulServer(uvicorn.Server):
 def serve(spec: ServiceSpec, settings_type: type[S], app_factory: Callable[[S], FastAPI]) -> int:
     """Entry point body of a service: read settings, build the app, serve until signalled."""
     service = spec.name
+    make_private()
     try:
         settings = settings_type()
     except ValidationError as e:
@@ -84,6 +118,7 @@ def serve(spec: ServiceSpec, settings_type: type[S], app_factory: Callable[[S], 
         )
         return 2
     configure_logging(service, settings.log_level)
+    private_dir(settings.node.data_dir)
     try:
         app = app_factory(settings)
     except StartupError as e:
@@ -98,6 +133,7 @@ def serve(spec: ServiceSpec, settings_type: type[S], app_factory: Callable[[S], 
         timeout_graceful_shutdown=int(settings.shutdown_grace_s),
         lifespan="on",
     )
+    redact_log_handlers()  # uvicorn's own handlers exist from here
     server = _GracefulServer(config)
     server.run()
     # uvicorn leaves `started` False when it could not bind or the lifespan startup failed.

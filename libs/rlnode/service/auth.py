@@ -5,13 +5,16 @@ Every service checks tokens itself with the vault's Ed25519 verify key (fetched 
 
 Wire format: ``rln1.<payload>.<signature>``, both parts base64url without padding; the
 signature is Ed25519 over ``rln1.<payload>``; the payload is JSON:
-``{"jti", "kind": "org"|"service", "sub", "org", "scopes", "iat", "exp", "kid"}``.
+``{"jti", "kind": "org"|"service"|"job", "sub", "org", "scopes", "iat", "exp", "kid"}``, and
+``"job"`` (the job id) for a job token: short-lived, single-use, for that one job's request
+on Kafka, so that no org token ever travels there.
 """
 
 from __future__ import annotations
 
 import base64
 import hashlib
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +26,9 @@ from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
 TOKEN_PREFIX = "rln1"
+# How far past its expiry a token is still accepted (clock skew between machines). The vault
+# lists a revoked token until well after this, so revocation never lapses inside it.
+LEEWAY_S = 30
 
 
 class Scope(StrEnum):
@@ -38,6 +44,7 @@ class Scope(StrEnum):
     TASKAPPS_WRITE = "taskapps:write"  # register and unregister Task Apps
     TASKAPPS_READ = "taskapps:read"  # list and verify Task Apps
     ROLLOUTS_RUN = "rollouts:run"  # services only: run rollouts through the gateway
+    NODE_OPS = "node:ops"  # operators' service tokens: every org's jobs and each service's state
 
 
 ORG_SCOPES = frozenset(
@@ -53,6 +60,12 @@ ORG_SCOPES = frozenset(
     }
 )
 SERVICE_SCOPES = frozenset(Scope) - {Scope.ORG_ADMIN}
+JOB_SCOPES = frozenset({Scope.JOBS_WRITE})
+TOKEN_KINDS = ("org", "service", "job")
+# Anything that looks like an rlnode token, wherever it sits in a text (see `redact_tokens`).
+TOKEN_PATTERN = re.compile(r"rln1\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
+TOKEN_PATTERN_BYTES = re.compile(TOKEN_PATTERN.pattern.encode())
+REDACTED_TOKEN = "rln1.[REDACTED]"
 
 
 class AuthError(Exception):
@@ -67,13 +80,14 @@ class AuthError(Exception):
 @dataclass(frozen=True)
 class TokenClaims:
     token_id: str
-    kind: str  # "org" | "service"
-    subject: str  # token name (org tokens) or service name
+    kind: str  # "org" | "service" | "job"
+    subject: str  # token name (org tokens), service name, or job id (job tokens)
     org_id: str | None  # None: a node-wide service token
     scopes: frozenset[str]
     issued_at: int
     expires_at: int
     key_id: str
+    job_id: str | None = None  # job tokens: the one job they may start or cancel
 
     def allows_org(self, org_id: str) -> bool:
         node_wide_service = self.kind == "service" and self.org_id is None
@@ -94,18 +108,19 @@ def _unb64(text: str) -> bytes:
 
 
 def sign_token(signing_key: SigningKey, claims: TokenClaims) -> str:
-    payload = orjson.dumps(
-        {
-            "jti": claims.token_id,
-            "kind": claims.kind,
-            "sub": claims.subject,
-            "org": claims.org_id,
-            "scopes": sorted(claims.scopes),
-            "iat": claims.issued_at,
-            "exp": claims.expires_at,
-            "kid": claims.key_id,
-        }
-    )
+    fields = {
+        "jti": claims.token_id,
+        "kind": claims.kind,
+        "sub": claims.subject,
+        "org": claims.org_id,
+        "scopes": sorted(claims.scopes),
+        "iat": claims.issued_at,
+        "exp": claims.expires_at,
+        "kid": claims.key_id,
+    }
+    if claims.job_id is not None:
+        fields["job"] = claims.job_id
+    payload = orjson.dumps(fields)
     signed_part = f"{TOKEN_PREFIX}.{_b64(payload)}"
     signature = signing_key.sign(signed_part.encode()).signature
     return f"{signed_part}.{_b64(signature)}"
@@ -135,7 +150,7 @@ class TokenVerifier:
         self,
         verify_key: VerifyKey,
         is_revoked: Callable[[str], bool] = lambda _jti: False,
-        leeway_s: int = 30,
+        leeway_s: int = LEEWAY_S,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.verify_key = verify_key
@@ -162,10 +177,11 @@ class TokenVerifier:
                 issued_at=int(data["iat"]),
                 expires_at=int(data["exp"]),
                 key_id=str(data["kid"]),
+                job_id=str(data["job"]) if data.get("job") is not None else None,
             )
         except (BadSignatureError, ValueError, KeyError, TypeError, orjson.JSONDecodeError):
             raise AuthError(401, "invalid token: its signature does not check out") from None
-        if claims.kind not in ("org", "service"):
+        if claims.kind not in TOKEN_KINDS:
             raise AuthError(401, "invalid token: unknown kind")
         now = self.clock()
         if claims.expires_at + self.leeway_s < now:
@@ -200,6 +216,25 @@ class TokenVerifier:
         return claims
 
 
+def require_operator(claims: TokenClaims) -> TokenClaims:
+    """A node-wide service token with node:ops: what the ops routes, which show every org's
+    work, admit."""
+    if claims.kind != "service" or claims.org_id is not None or Scope.NODE_OPS not in claims.scopes:
+        raise AuthError(
+            403, "this route is for the node's operators: use a service token with node:ops"
+        )
+    return claims
+
+
+def redact_tokens(text: str) -> str:
+    """`text` with every rlnode token in it blanked out."""
+    return TOKEN_PATTERN.sub(REDACTED_TOKEN, text)
+
+
+def redact_token_bytes(data: bytes) -> bytes:
+    return TOKEN_PATTERN_BYTES.sub(REDACTED_TOKEN.encode(), data)
+
+
 def bearer_token(authorization: str | None) -> str | None:
     """The token from an `Authorization: Bearer …` header value."""
     if not authorization:
@@ -226,7 +261,7 @@ class VaultTokenVerifier(TokenVerifier):
         self.verify_key: VerifyKey | None = None  # type: ignore[assignment]
         self.key_id = ""
         self.is_revoked = self._check_revoked
-        self.leeway_s = 30
+        self.leeway_s = LEEWAY_S
         self.clock = time.time
 
     def _get(self, path: str) -> dict:

@@ -14,6 +14,7 @@ from sqlalchemy.engine import Engine, make_url
 from sqlalchemy.types import DateTime, TypeDecorator
 from sqlmodel import Session, SQLModel, create_engine
 
+from rlnode.service.files import private_file
 from rlnode.service.settings import DatabaseSettings, NodeSettings
 
 
@@ -52,7 +53,8 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         if parsed.database and parsed.database != ":memory:":
-            Path(parsed.database).parent.mkdir(parents=True, exist_ok=True)
+            # SQLite gives its -wal and -shm files the database file's mode.
+            private_file(Path(parsed.database))
         engine = create_engine(url, echo=echo, connect_args={"check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine

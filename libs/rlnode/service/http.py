@@ -4,16 +4,31 @@ echoing what was sent, and a request-size limit."""
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, HTTPException, Request
+from fastapi import Depends, FastAPI, Header, HTTPException, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from rlnode.service.auth import AuthError
+from rlnode.service.auth import AuthError, TokenClaims, bearer_token, require_operator
 
 log = logging.getLogger("rlnode.service.http")
+
+
+def caller_claims(
+    request: Request, authorization: Annotated[str | None, Header()] = None
+) -> TokenClaims:
+    """The verified token of the caller (`app.state.verifier` checks it): 401 without one."""
+    return request.app.state.verifier.verify(bearer_token(authorization))
+
+
+def operator_claims(claims: Annotated[TokenClaims, Depends(caller_claims)]) -> TokenClaims:
+    return require_operator(claims)
+
+
+Caller = Annotated[TokenClaims, Depends(caller_claims)]
+Operator = Annotated[TokenClaims, Depends(operator_claims)]
 
 
 def describe_request_errors(errors: list[dict[str, Any]], limit: int = 8) -> str:

@@ -10,11 +10,11 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from rlnode.bus.settings import KafkaSettings
-from rlnode.service.registry import LOOPBACK
+from rlnode.service.registry import LOOPBACK, VAULT
 
 
 def default_data_dir() -> Path:
@@ -78,3 +78,18 @@ class ServiceSettings(BaseSettings):
     node: NodeSettings = Field(default_factory=NodeSettings)
     kafka: KafkaSettings = Field(default_factory=KafkaSettings)
     database: DatabaseSettings = Field(default_factory=DatabaseSettings)
+
+
+class VaultClientSettings(ServiceSettings):
+    """Base of the services other than the vault: where the vault is, and this service's own
+    token from it."""
+
+    vault_url: str = Field(
+        VAULT.default_url, description="Where tokens are checked and identities come from."
+    )
+    service_token: SecretStr | None = Field(
+        None,
+        description="This service's node-wide token from the vault, with the scopes the service "
+        "registry gives it (`rlnode token create <service> --service --scope ...`; `rlnode up` "
+        "mints it).",
+    )

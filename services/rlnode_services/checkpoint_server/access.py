@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import Depends, Header, Request
+from fastapi import Depends
 
-from rlnode.service.auth import AuthError, Scope, TokenClaims, TokenVerifier, bearer_token
+from rlnode.service.auth import AuthError, Scope, TokenClaims, TokenVerifier
+from rlnode.service.http import caller_claims
 
 
-def caller(request: Request, authorization: Annotated[str | None, Header()] = None) -> TokenClaims:
-    claims = request.app.state.verifier.verify(bearer_token(authorization))
+def caller(claims: Annotated[TokenClaims, Depends(caller_claims)]) -> TokenClaims:
     if claims.org_id is None:
         raise AuthError(403, "use an org token: checkpoints belong to an org")
     return claims

@@ -15,7 +15,7 @@ from rlnode.messages import topics
 from rlnode.service.app import create_service_app
 from rlnode.service.auth import VaultTokenVerifier
 from rlnode.service.db import create_tables, engine_for
-from rlnode.service.http import install_error_handlers
+from rlnode.service.http import Operator, install_error_handlers
 from rlnode.service.openai_api import error_body
 from rlnode_services.checkpoint_server.index import Indexer
 from rlnode_services.checkpoint_server.inference import inference_routes
@@ -57,7 +57,8 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
     app.include_router(inference_routes(settings, checkpoints, cache))
 
     @app.get("/v1/checkpoint-server", tags=["ops"])
-    async def status() -> dict[str, Any]:
+    async def status(_operator: Operator) -> dict[str, Any]:
+        """The models loaded now (operators: they are every org's)."""
         return {
             "loaded": list(cache.engines),
             "bytes_used": cache.bytes_used,

@@ -8,17 +8,16 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from rlnode.service.registry import CHECKPOINT_SERVER, VAULT
-from rlnode.service.settings import ServiceSettings
+from rlnode.service.registry import CHECKPOINT_SERVER
+from rlnode.service.settings import VaultClientSettings
 
 SERVICE = CHECKPOINT_SERVER
 
 
-class CheckpointServerSettings(ServiceSettings):
+class CheckpointServerSettings(VaultClientSettings):
     model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
     port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
-    vault_url: str = Field(VAULT.default_url, description="Where tokens are checked.")
     group_id: str = Field(SERVICE.name, description="The consumer group of the index.")
     device: str = Field("cpu", description="Where inference runs: cpu or cuda[:N].")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(

@@ -11,7 +11,14 @@ from fastapi.responses import JSONResponse
 from nacl.public import PublicKey
 
 from rlnode.service.app import create_service_app
-from rlnode.service.auth import ORG_SCOPES, AuthError, Scope, TokenClaims, bearer_token
+from rlnode.service.auth import (
+    JOB_SCOPES,
+    ORG_SCOPES,
+    AuthError,
+    Scope,
+    TokenClaims,
+    bearer_token,
+)
 from rlnode.service.db import engine_for
 from rlnode.service.http import BodySizeLimit, install_error_handlers
 from rlnode.service.sealing import public_key_b64
@@ -154,6 +161,22 @@ def create_app(settings: VaultSettings) -> FastAPI:
         for_org(who, org_id, Scope.ORG_ADMIN)
         scopes = set(body.scopes) if body.scopes is not None else set(ORG_SCOPES)
         issued = vault.issue_token("org", body.name, org_id, scopes, body.ttl_s, who.actor)
+        return _token_out(issued.token, issued.record)
+
+    @app.post(
+        "/v1/orgs/{org_id}/job-tokens",
+        status_code=201,
+        response_model=api.TokenOut,
+        tags=["tokens"],
+    )
+    def create_job_token(org_id: str, body: api.CreateJobToken, who: Authenticated) -> api.TokenOut:
+        """What a job request carries on Kafka in place of the org token: good for one request
+        about `job_id`, for minutes (VAULT_JOB_TOKEN_TTL_S). The learner refuses it a second
+        time, so a copy read off the topic is worthless."""
+        for_org(who, org_id, Scope.JOBS_WRITE)
+        issued = vault.issue_token(
+            "job", body.job_id, org_id, set(JOB_SCOPES), None, who.actor, job_id=body.job_id
+        )
         return _token_out(issued.token, issued.record)
 
     @app.get("/v1/orgs/{org_id}/tokens", response_model=list[api.TokenInfo], tags=["tokens"])

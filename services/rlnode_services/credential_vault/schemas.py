@@ -36,7 +36,7 @@ class PublicKeyOut(BaseModel):
 class TokenOut(BaseModel):
     token: str = Field(description="Shown once; the vault keeps only its id.")
     token_id: str
-    kind: Literal["org", "service"]
+    kind: Literal["org", "service", "job"]
     subject: str
     org_id: str | None
     scopes: list[str]
@@ -58,6 +58,10 @@ class CreateOrgToken(Strict):
     name: str = Field(min_length=1, max_length=200)
     scopes: list[Scope] | None = Field(None, description="Default: every org scope.")
     ttl_s: int | None = Field(None, ge=60)
+
+
+class CreateJobToken(Strict):
+    job_id: ResourceId = Field(description="The one job the token may start or cancel.")
 
 
 class CreateServiceToken(Strict):

@@ -40,6 +40,14 @@ class VaultSettings(ServiceSettings):
         30 * DAY_S, ge=60, description="Default life of service tokens."
     )
     max_token_ttl_s: int = Field(365 * DAY_S, ge=60, description="Longest life a token may ask.")
+    job_token_ttl_s: int = Field(
+        600,
+        ge=10,
+        le=3600,
+        description="Life of a job token (what a job request carries on Kafka instead of the "
+        "org token): long enough to reach the learner, short enough that one read off the "
+        "topic is worthless.",
+    )
 
     @field_validator("admin_token")
     @classmethod

@@ -9,7 +9,7 @@ import threading
 import time
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from nacl.public import PrivateKey, PublicKey
 from nacl.signing import SigningKey
@@ -18,6 +18,8 @@ from sqlmodel import Session, col, select
 
 from rlnode.messages import utc_now
 from rlnode.service.auth import (
+    JOB_SCOPES,
+    LEEWAY_S,
     ORG_SCOPES,
     SERVICE_SCOPES,
     TokenClaims,
@@ -49,6 +51,8 @@ from rlnode_services.credential_vault.store import (
 )
 
 ADMIN_ACTOR = "admin"
+# Verifiers refresh their copy of the revocation list this often at most (VaultTokenVerifier).
+REVOCATION_MARGIN_S = 120
 
 
 class VaultError(Exception):
@@ -262,8 +266,9 @@ class Vault:
         scopes: AbstractSet[str],
         ttl_s: int | None,
         actor: Actor,
+        job_id: str | None = None,
     ) -> IssuedTokenResult:
-        allowed = ORG_SCOPES if kind == "org" else SERVICE_SCOPES
+        allowed = {"org": ORG_SCOPES, "service": SERVICE_SCOPES, "job": JOB_SCOPES}[kind]
         unknown = sorted(set(scopes) - allowed)
         if unknown:
             raise BadInput(
@@ -271,9 +276,11 @@ class Vault:
             )
         if not scopes:
             raise BadInput("a token needs at least one scope")
-        default_ttl = (
-            self.settings.org_token_ttl_s if kind == "org" else self.settings.service_token_ttl_s
-        )
+        default_ttl = {
+            "org": self.settings.org_token_ttl_s,
+            "service": self.settings.service_token_ttl_s,
+            "job": self.settings.job_token_ttl_s,
+        }[kind]
         ttl = ttl_s or default_ttl
         if ttl > self.settings.max_token_ttl_s:
             raise BadInput(
@@ -291,6 +298,7 @@ class Vault:
             issued_at=now,
             expires_at=now + ttl,
             key_id=self.verify_key_id,
+            job_id=job_id,
         )
         token = sign_token(self.signing_key, claims)
         record = IssuedToken(
@@ -343,12 +351,14 @@ class Vault:
             return record is None or record.revoked_at is not None
 
     def revoked_token_ids(self) -> list[str]:
-        now = utc_now()
+        # Listed until verifiers would refuse the token for its expiry anyway: past its
+        # expiry plus their leeway (and a margin for their cached copy of this list).
+        still_accepted_after = utc_now() - timedelta(seconds=LEEWAY_S + REVOCATION_MARGIN_S)
         with Session(self.engine) as s:
             rows = s.exec(
                 select(IssuedToken.token_id).where(
                     col(IssuedToken.revoked_at).is_not(None),
-                    col(IssuedToken.expires_at) > now,
+                    col(IssuedToken.expires_at) > still_accepted_after,
                 )
             )
             return sorted(rows)

@@ -12,8 +12,9 @@ from sqlmodel import Session, col, select
 from rlnode.bus import Bus
 from rlnode.messages import topics
 from rlnode.service.app import create_service_app
-from rlnode.service.auth import VaultTokenVerifier
+from rlnode.service.auth import Scope, TokenVerifier, VaultTokenVerifier, require_operator
 from rlnode.service.db import engine_for
+from rlnode.service.http import Caller, install_error_handlers
 from rlnode_services.learner.intake import JobIntake
 from rlnode_services.learner.jobs import JobManager
 from rlnode_services.learner.settings import SERVICE, LearnerSettings
@@ -23,9 +24,8 @@ from rlnode_services.learner.store import JobRecord
 def create_app(settings: LearnerSettings) -> FastAPI:
     bus = Bus(settings.kafka, service=SERVICE.name)
     engine = engine_for(SERVICE.name, settings.database, settings.node)
-    manager = JobManager(
-        settings, bus, engine, JobIntake(settings, VaultTokenVerifier(settings.vault_url))
-    )
+    verifier = VaultTokenVerifier(settings.vault_url)
+    manager = JobManager(settings, bus, engine, JobIntake(settings, verifier, engine))
     bus.subscribe(topics.JOB_REQUESTS, manager.on_request, group_id=settings.group_id)
 
     @asynccontextmanager
@@ -37,13 +37,22 @@ def create_app(settings: LearnerSettings) -> FastAPI:
         await bus.stop()
 
     app = create_service_app(SERVICE, settings, lifespan=lifespan)
+    app.state.verifier = verifier
+    install_error_handlers(app)
     app.state.health_checks["service_token"] = lambda: settings.service_token is not None
 
     @app.get("/v1/jobs", tags=["jobs"])
-    async def jobs() -> list[dict[str, Any]]:
-        """The jobs this learner owns, newest first (for operators; users watch job-events)."""
+    async def jobs(claims: Caller) -> list[dict[str, Any]]:
+        """The jobs this learner owns, newest first: the caller's org's (an org token with
+        jobs:read), or every org's (an operator's token with node:ops)."""
+        query = select(JobRecord).order_by(col(JobRecord.created_at).desc())
+        if claims.org_id is None:
+            require_operator(claims)
+        else:
+            TokenVerifier.authorize_claims(claims, scopes=[Scope.JOBS_READ])
+            query = query.where(JobRecord.org_id == claims.org_id)
         with Session(engine) as s:
-            records = s.exec(select(JobRecord).order_by(col(JobRecord.created_at).desc())).all()
+            records = s.exec(query).all()
         return [
             {
                 "job_id": r.job_id,

@@ -1,18 +1,28 @@
-"""Deciding whether a job request can run: a valid org token with jobs:write for the org
-it names, a Task App the gateway has and verifies, the secret it needs in the vault, and a
-GPU plan that fits. Each refusal says what to do."""
+"""Deciding whether a job request can run: a job token (single-use, for this job, of the org
+it names, with jobs:write), a Task App the gateway has and verifies, the secret it needs in
+the vault, and a GPU plan that fits. Each refusal says what to do."""
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
-from rlnode.messages import JobConfig, JobRequest
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import IntegrityError
+from sqlmodel import col, delete
+
+from rlnode.messages import JobConfig, JobRequest, utc_now
 from rlnode.node.plan import PlanError, make_plan
 from rlnode.sdk.gateway import GatewayClient, GatewayError
 from rlnode.sdk.vault import VaultClient, VaultError
-from rlnode.service.auth import AuthError, Scope, TokenVerifier
+from rlnode.service.auth import LEEWAY_S, AuthError, Scope, TokenClaims, TokenVerifier
+from rlnode.service.db import session_scope
 from rlnode_services.learner.settings import LearnerSettings
+from rlnode_services.learner.store import UsedJobToken
+
+# Used tokens are kept until they could no longer pass verification anyway.
+LEEWAY = timedelta(seconds=LEEWAY_S)
 
 
 @dataclass
@@ -22,9 +32,10 @@ class Verdict:
 
 
 class JobIntake:
-    def __init__(self, settings: LearnerSettings, verifier: TokenVerifier) -> None:
+    def __init__(self, settings: LearnerSettings, verifier: TokenVerifier, engine: Engine) -> None:
         self.settings = settings
         self.verifier = verifier
+        self.engine = engine
         self._token = settings.service_token.get_secret_value() if settings.service_token else None
 
     async def check(self, request: JobRequest) -> Verdict:
@@ -33,6 +44,23 @@ class JobIntake:
             self.verifier.authorize_claims(claims, scopes=[Scope.JOBS_WRITE], org_id=request.org_id)
         except AuthError as e:
             return Verdict(False, f"the request's token was refused: {e.message}")
+        if claims.kind != "job":
+            return Verdict(
+                False,
+                f"the request carries {'an org' if claims.kind == 'org' else 'a service'} token: "
+                "job requests carry a job token (rlnode job start and the SDK mint one; or POST "
+                f"/v1/orgs/{request.org_id}/job-tokens on the vault). Anyone who reads the topic "
+                "has seen that token: revoke it (rlnode token revoke)",
+            )
+        if claims.job_id != request.job_id:
+            return Verdict(
+                False,
+                f"the request's job token is for job {claims.job_id!r}, not {request.job_id!r}",
+            )
+        if not await asyncio.to_thread(self._take, claims, request):
+            return Verdict(
+                False, "the request's job token was used already: each is good for one request"
+            )
         if request.action == "cancel":
             return Verdict(True)
         assert request.config is not None
@@ -45,6 +73,25 @@ class JobIntake:
                 "the learner has no service token (LEARNER_SERVICE_TOKEN) to check Task Apps and secrets with; ask the node's operator",
             )
         return await asyncio.to_thread(self._check_dependencies, request.org_id, request.config)
+
+    def _take(self, claims: TokenClaims, request: JobRequest) -> bool:
+        """Mark the job token used; False if it was before. Expired ones are forgotten here
+        (the verifier refuses them anyway)."""
+        now = utc_now()
+        try:
+            with session_scope(self.engine) as s:
+                s.exec(delete(UsedJobToken).where(col(UsedJobToken.expires_at) < now - LEEWAY))
+                s.add(
+                    UsedJobToken(
+                        token_id=claims.token_id,
+                        job_id=request.job_id,
+                        request_id=str(request.id),
+                        expires_at=datetime.fromtimestamp(claims.expires_at, UTC),
+                    )
+                )
+        except IntegrityError:
+            return False
+        return True
 
     def check_plan(self, config: JobConfig) -> Verdict:
         """The job's topology against this node's GPUs (rlnode.node.plan: the rules `rlnode plan`

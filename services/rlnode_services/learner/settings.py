@@ -6,27 +6,21 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.messages.topics import LEARNER_GROUP
-from rlnode.service.registry import GATEWAY, LEARNER, VAULT
-from rlnode.service.settings import ServiceSettings
+from rlnode.service.registry import GATEWAY, LEARNER
+from rlnode.service.settings import VaultClientSettings
 
 SERVICE = LEARNER
 
 
-class LearnerSettings(ServiceSettings):
+class LearnerSettings(VaultClientSettings):
     model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
     port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
-    vault_url: str = Field(VAULT.default_url, description="Where tokens and secrets are checked.")
     gateway_url: str = Field(GATEWAY.default_url, description="Where Task Apps are checked.")
-    service_token: SecretStr | None = Field(
-        None,
-        description="A node-wide service token with taskapps:read and secrets:read: to check "
-        "a job's Task App and secret before accepting it.",
-    )
 
     devices: str = Field(
         "cpu",

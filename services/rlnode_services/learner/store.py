@@ -30,5 +30,17 @@ class JobRecord(SQLModel, table=True):
     )
 
 
-TABLES = (JobRecord,)
+class UsedJobToken(SQLModel, table=True):
+    """Job tokens the learner has taken: each is good for one request (a copy read off the
+    job-requests topic and published again is refused)."""
+
+    __tablename__ = "learner_used_job_tokens"
+
+    token_id: str = Field(primary_key=True, max_length=64)
+    job_id: str = Field(max_length=128)
+    request_id: str = Field(max_length=64)
+    expires_at: datetime = Field(sa_column=Column(UTCDateTime(), nullable=False, index=True))
+
+
+TABLES = (JobRecord, UsedJobToken)
 ACTIVE = ("queued", "running")

@@ -13,7 +13,8 @@ from fastapi.responses import JSONResponse
 from rlnode.bus import Bus
 from rlnode.messages import topics
 from rlnode.service.app import create_service_app
-from rlnode.service.http import install_error_handlers
+from rlnode.service.auth import VaultTokenVerifier
+from rlnode.service.http import Operator, install_error_handlers
 from rlnode.service.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -77,6 +78,7 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
 
     app = create_service_app(SERVICE, settings, lifespan=lifespan)
     app.state.health_checks["service_token"] = lambda: settings.service_token is not None
+    app.state.verifier = VaultTokenVerifier(settings.vault_url)
     install_error_handlers(app)
     app.state.work = work_subscription
     app.state.registry = registry
@@ -89,7 +91,8 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         )
 
     @app.get("/v1/generator", tags=["ops"])
-    async def status() -> dict[str, Any]:
+    async def status(_operator: Operator) -> dict[str, Any]:
+        """What this generator holds (operators: it is every org's work)."""
         return {
             "generator": settings.generator_id,
             "rollouts_in_flight": len(registry),

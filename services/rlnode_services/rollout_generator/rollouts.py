@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rlnode.engine import Engine, EngineError, render_chat
+from rlnode.engine import BadPrompt, Engine, EngineError, render_chat
 from rlnode.engine.turns import TurnRefused, sample_turn
 from rlnode.messages import RolloutFailure, RolloutWork, TokenTurn, Trajectory
 from rlnode.service.pooled_http import HttpCallError, PooledHttp, Reply, TimedOut
@@ -59,7 +59,7 @@ class ActiveRollout:
                 max_tokens,
                 stop,
             )
-        except TurnRefused as e:
+        except (TurnRefused, BadPrompt) as e:
             raise InferenceRefused(400, str(e)) from None
         self.turns.append(turn)
         return turn, text

@@ -6,18 +6,18 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field, SecretStr
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.messages.topics import ROLLOUT_GENERATOR_GROUP
 from rlnode.node.plan import INFERENCE_FRACTION
 from rlnode.service.registry import GATEWAY, GENERATOR
-from rlnode.service.settings import ServiceSettings
+from rlnode.service.settings import VaultClientSettings
 
 SERVICE = GENERATOR
 
 
-class GeneratorSettings(ServiceSettings):
+class GeneratorSettings(VaultClientSettings):
     model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
     port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
@@ -78,7 +78,6 @@ class GeneratorSettings(ServiceSettings):
         ROLLOUT_GENERATOR_GROUP, description="The consumer group the generators share work in."
     )
     gateway_url: str = Field(GATEWAY.default_url, description="The taskapp-gateway.")
-    service_token: SecretStr | None = Field(None, description="A service token with rollouts:run.")
     rollout_timeout_margin_s: float = Field(
         30.0, ge=0, description="Added to a rollout's timeout for the call to the gateway."
     )

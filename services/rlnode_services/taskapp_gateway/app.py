@@ -6,7 +6,7 @@ import json
 from contextlib import asynccontextmanager
 from typing import Annotated
 
-from fastapi import Depends, FastAPI, Header, Query, Request, Response
+from fastapi import FastAPI, Query, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rlnode.service.app import create_service_app
@@ -16,10 +16,9 @@ from rlnode.service.auth import (
     TokenClaims,
     TokenVerifier,
     VaultTokenVerifier,
-    bearer_token,
 )
 from rlnode.service.db import engine_for
-from rlnode.service.http import BodySizeLimit, install_error_handlers
+from rlnode.service.http import BodySizeLimit, Caller, install_error_handlers
 from rlnode_services.taskapp_gateway.gateway import Gateway, GatewayError
 from rlnode_services.taskapp_gateway.keys import KeyProvider
 from rlnode_services.taskapp_gateway.schemas import (
@@ -40,13 +39,6 @@ ERRORS = {
     403: {"model": ErrorOut, "description": "The token may not do this (scope or org)."},
     404: {"model": ErrorOut, "description": "No such Task App in this org."},
 }
-
-
-def claims(request: Request, authorization: Annotated[str | None, Header()] = None) -> TokenClaims:
-    return request.app.state.verifier.verify(bearer_token(authorization))
-
-
-Caller = Annotated[TokenClaims, Depends(claims)]
 
 
 def create_app(settings: GatewaySettings) -> FastAPI:

@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-from pydantic import Field, SecretStr
+from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from rlnode.service.registry import GATEWAY, VAULT
-from rlnode.service.settings import ServiceSettings
+from rlnode.service.registry import GATEWAY
+from rlnode.service.settings import VaultClientSettings
 
 SERVICE = GATEWAY
 
 
-class GatewaySettings(ServiceSettings):
+class GatewaySettings(VaultClientSettings):
     model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
     port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
-
-    vault_url: str = Field(
-        VAULT.default_url, description="Where tokens are checked and keys come from."
-    )
-    service_token: SecretStr | None = Field(
-        None,
-        description="A node-wide service token with secrets:unseal: how the gateway gets each "
-        "org's key (`rlnode token create taskapp-gateway --service --scope secrets:unseal`).",
-    )
 
     # Managed Task Apps
     start_timeout_s: float = Field(30.0, gt=0, description="From spawn to a healthy /health.")

@@ -1,0 +1,69 @@
+"""One node for the attacks: two orgs, A (the attacker, with an org token, a Kafka client and
+Task Apps of its own) and B (the victim, with a secret, a managed Task App and a finished
+job whose checkpoints are served)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from rlnode.examples import example_job
+from rlnode.models.build import init_tiny_model
+from rlnode.node.local import LocalNode, NodeOptions, Org
+from rlnode.testing import unique_id
+
+VICTIM_KEY = "tk-victim-" + "5" * 24
+
+
+@dataclass
+class AttackedNode:
+    node: LocalNode
+    attacker: Org
+    victim: Org
+    victim_job: str  # finished, with checkpoints at steps 1 and 2
+    model: Path
+    directory: Path
+
+    def url(self, service: str) -> str:
+        return self.node.url(service)
+
+
+@pytest.fixture(scope="session")
+def attacked(tmp_path_factory, kafka_broker) -> Iterator[AttackedNode]:
+    import asyncio
+
+    directory = tmp_path_factory.mktemp("attacked")
+    prefix = unique_id("sec")
+    options = NodeOptions(
+        data_dir=directory / "node",
+        kafka_bootstrap=kafka_broker.bootstrap_servers,
+        env={
+            "learner": {
+                "LEARNER_GROUP_ID": f"{prefix}-learner",
+                "LEARNER_TRAJECTORY_GROUP_ID": f"{prefix}-trajectories",
+            },
+            "rollout-generator": {"GENERATOR_WORK_GROUP": f"{prefix}-work"},
+            "checkpoint-server": {"CHECKPOINT_SERVER_GROUP_ID": f"{prefix}-index"},
+        },
+    )
+    with LocalNode(options) as node:
+        attacker = node.create_org(unique_id("attacker"), {"ENVIRONMENT_API_KEY": "tk-attacker"})
+        victim = node.create_org(unique_id("victim"), {"ENVIRONMENT_API_KEY": VICTIM_KEY})
+        assert node.register_example_task_app(victim, "copy", "copy_task")["ok"]
+        model = init_tiny_model(directory / "tiny", seed=0)
+        job = example_job(
+            "copy_task", model, steps=2, group_size=4, prompts_per_step=2, checkpoint_every=1
+        )
+
+        async def run_victim_job() -> str:
+            async with node.jobs(victim) as jobs:
+                job_id = await jobs.start(job)
+                final = await jobs.wait(job_id, idle_timeout_s=300)
+                assert final.type.value == "job.completed", final
+                return job_id
+
+        victim_job = asyncio.run(run_victim_job())
+        yield AttackedNode(node, attacker, victim, victim_job, model, directory)

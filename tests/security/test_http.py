@@ -1,0 +1,143 @@
+"""Attacks over HTTP: routes called without a token, listings that would show other orgs,
+batched inference poisoned with bad token ids, a revoked token used again after it expired,
+and data files other users of the machine could read."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import stat
+from datetime import timedelta
+
+import httpx
+import pytest
+
+from rlnode.messages import utc_now
+from rlnode.service.auth import AuthError, TokenVerifier
+from tests.security.conftest import AttackedNode
+
+# Routes that answer without a token, and why (docs/security.md says the same).
+PUBLIC = {
+    "/health",  # liveness for supervisors and load balancers
+    "/openapi.json",  # the API's shape, which the public repository holds anyway
+    "/v1/verify-key",  # the vault's public key: verifiers need it before they can check anything
+    "/v1/revocations",  # ids of revoked tokens: not credentials
+}
+# Capability URLs: the unguessable rollout id is the credential (the Task App calling back
+# has no rlnode token). An unknown id gets 404.
+CAPABILITY = re.compile(r"^/rollouts/\{rollout_id\}/")
+
+
+def _concrete(path: str) -> str:
+    return re.sub(r"\{[^}]+\}", "x1", path)
+
+
+def test_every_route_of_every_service_needs_a_token(attacked: AttackedNode) -> None:
+    checked = 0
+    for name, process in attacked.node.processes.items():
+        with httpx.Client(base_url=process.url, timeout=30) as http:
+            spec = http.get("/openapi.json").json()
+            for path, methods in spec["paths"].items():
+                for method in methods:
+                    # A well-formed body, so that only the credential is missing.
+                    body = {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi"}
+                    response = http.request(method.upper(), _concrete(path), json=body)
+                    if path in PUBLIC:
+                        continue
+                    expected = 404 if CAPABILITY.match(path) else 401
+                    assert response.status_code == expected, (name, method, path, response.text)
+                    checked += 1
+            for ui in ("/docs", "/redoc"):
+                assert http.get(ui).status_code == 404, (name, ui)
+    assert checked >= 30  # every service's routes, not a handful
+
+
+def test_job_listings_show_the_callers_org_only(attacked: AttackedNode) -> None:
+    learner = attacked.url("learner")
+    with httpx.Client(base_url=learner, timeout=30) as http:
+        assert http.get("/v1/jobs").status_code == 401
+        mine = http.get("/v1/jobs", headers=_bearer(attacked.attacker.token))
+        assert mine.status_code == 200
+        assert all(job["org_id"] == attacked.attacker.org_id for job in mine.json())
+        theirs = http.get("/v1/jobs", headers=_bearer(attacked.victim.token)).json()
+        assert attacked.victim_job in {job["job_id"] for job in theirs}
+        # A service token without node:ops is no operator.
+        generator_token = attacked.node.service_token(["rollouts:run"], "rollout-generator")
+        assert http.get("/v1/jobs", headers=_bearer(generator_token)).status_code == 403
+        operator = attacked.node.service_token(["node:ops"], "operator")
+        every = http.get("/v1/jobs", headers=_bearer(operator)).json()
+        assert attacked.victim_job in {job["job_id"] for job in every}
+    with httpx.Client(base_url=attacked.url("checkpoint-server"), timeout=30) as http:
+        assert http.get("/v1/checkpoint-server").status_code == 401
+        org_view = http.get("/v1/checkpoint-server", headers=_bearer(attacked.attacker.token))
+        assert org_view.status_code == 403
+
+
+async def test_bad_token_ids_get_400_and_the_requests_batched_with_them_succeed(
+    attacked: AttackedNode,
+) -> None:
+    url = attacked.url("checkpoint-server")
+    model = f"{attacked.victim_job}@latest"
+    headers = _bearer(attacked.victim.token)
+    async with httpx.AsyncClient(base_url=url, timeout=120, headers=headers) as http:
+        await http.post(
+            "/v1/completions", json={"model": model, "prompt": [1, 2], "max_tokens": 1}
+        )  # loaded, so that the requests below meet in one batch
+
+        def complete(prompt: list[int]):
+            body = {"model": model, "prompt": prompt, "max_tokens": 8}
+            return http.post("/v1/completions", json=body)
+
+        good, too_high, negative, huge = await asyncio.gather(
+            complete([1, 2, 3]), complete([1, 10**6]), complete([-1, 2]), complete([2**62])
+        )
+    assert good.status_code == 200, good.text
+    for bad in (too_high, negative, huge):
+        assert bad.status_code == 400, bad.text
+        assert "outside this model's vocabulary" in bad.json()["error"]["message"]
+
+
+def test_a_revoked_token_stays_refused_after_it_expires(tmp_path, monkeypatch) -> None:
+    import rlnode_services.credential_vault.vault as vault_module
+    from rlnode.service.db import make_engine
+    from rlnode_services.credential_vault.crypto import KeyWrapper
+    from rlnode_services.credential_vault.settings import VaultSettings
+
+    vault = vault_module.Vault(
+        make_engine(f"sqlite:///{tmp_path / 'vault.sqlite3'}"),
+        KeyWrapper(os.urandom(32)),
+        VaultSettings(admin_token="a" * 32),
+    )
+    vault.initialise()
+    vault.create_org("org-a", None)
+    admin = vault_module.Actor(vault_module.ADMIN_ACTOR)
+    issued = vault.issue_token("org", "short", "org-a", {"jobs:read"}, 60, admin)
+    vault.revoke_token(issued.record.token_id, "org-a", admin)
+    # 75 s on: expired 15 s ago, so inside verifiers' leeway; the vault must still list it
+    # as revoked, or every service would take it again.
+    later = utc_now() + timedelta(seconds=75)
+    monkeypatch.setattr(vault_module, "utc_now", lambda: later)
+    revoked = set(vault.revoked_token_ids())
+    verifier = TokenVerifier(
+        vault.signing_key.verify_key, is_revoked=revoked.__contains__, clock=later.timestamp
+    )
+    with pytest.raises(AuthError, match="revoked"):
+        verifier.verify(issued.token)
+
+
+def test_data_files_are_readable_by_the_node_alone(attacked: AttackedNode) -> None:
+    loose = []
+    for root, dirs, files in os.walk(attacked.node.data_dir):
+        for name in dirs + files:
+            path = os.path.join(root, name)
+            mode = stat.S_IMODE(os.lstat(path).st_mode)
+            if mode & 0o077 and not stat.S_ISLNK(os.lstat(path).st_mode):
+                loose.append(f"{oct(mode)} {path}")
+    root_mode = stat.S_IMODE(os.stat(attacked.node.data_dir).st_mode)
+    assert root_mode & 0o077 == 0, oct(root_mode)
+    assert not loose, "\n".join(loose[:20])
+
+
+def _bearer(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
