@@ -1,6 +1,7 @@
 # rlnode developer entry points. Every target sets up .venv first if needed.
 SHELL  := /bin/bash
-PYTHON ?= python3
+# The venv's interpreter: one every user may run (tools/shared-python says why).
+PYTHON ?= $(shell tools/shared-python)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed

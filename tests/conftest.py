@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -67,8 +68,11 @@ async def make_bus(kafka_settings: KafkaSettings) -> AsyncIterator[Callable[...,
     """Build buses that are stopped when the test ends (the broker fixture made the topics)."""
     buses: list[Bus] = []
 
-    def factory(service: str = "test", settings: KafkaSettings | None = None) -> Bus:
-        bus = Bus(settings or kafka_settings, service=service)
+    def factory(
+        service: str = "test", settings: KafkaSettings | None = None, **signing: Any
+    ) -> Bus:
+        """`signing`: `signer=` to publish as a service would (records:sign), `verifier=`."""
+        bus = Bus(settings or kafka_settings, service=service, **signing)
         buses.append(bus)
         return bus
 

@@ -192,3 +192,13 @@ def run_rlnode(
         timeout=timeout,
         cwd=cwd,
     )
+
+
+def readable_directory(prefix: str = "rlnode-shared-") -> Path:
+    """A new directory any user may read: where a test puts the code of a managed Task App,
+    which runs as a user of its own (pytest's own temporary directories are 0700)."""
+    import tempfile
+
+    directory = Path(tempfile.mkdtemp(prefix=prefix))
+    directory.chmod(0o755)
+    return directory

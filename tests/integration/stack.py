@@ -10,6 +10,7 @@ from pathlib import Path
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from rlnode.bus.localbroker import free_port
+from rlnode.bus.signing import RecordSigner
 from rlnode.messages import topics
 from rlnode.node.processes import ServiceProcess
 from rlnode.service.registry import SERVICES_BY_NAME
@@ -79,6 +80,12 @@ class Stack:
         self.processes.append(process)
         return process
 
+    def signer(self, service: str) -> RecordSigner:
+        """A record signer certified as `service`: for a test that publishes what that
+        service would (work and weight versions as the learner, say)."""
+        token = self.vault.service_token(["records:sign"], service=service)
+        return RecordSigner(self.vault.url, token)
+
     def stop(self) -> None:
         for process in reversed(self.processes):
             process.stop()
@@ -116,6 +123,8 @@ def start_stack(directory: Path, **gateway_env: str) -> Stack:
         org_id=org_id,
         org_token=org_token,
         key=key,
-        generator_token=vault.service_token(["rollouts:run"], service="rollout-generator"),
+        generator_token=vault.service_token(
+            ["rollouts:run", "records:sign"], service="rollout-generator"
+        ),
         operator_token=vault.service_token(["node:ops"], service="operator"),
     )

@@ -22,7 +22,7 @@ from rlnode.examples import task_app_path
 from rlnode.node.processes import ServiceProcess
 from rlnode.sdk.gateway import GatewayClient, GatewayError
 from rlnode.service.registry import SERVICES_BY_NAME
-from rlnode.testing import ThreadedServer
+from rlnode.testing import ThreadedServer, readable_directory
 from tests.integration.fakes import misbehaving_taskapps, scripted_policy
 from tests.integration.vault_fixtures import RunningVault
 
@@ -221,8 +221,8 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_task_app_that_prints_its_key_has_it_blanked_out(node: Node, tmp_path) -> None:
-    leaky = tmp_path / "leaky_taskapp.py"
+def test_a_task_app_that_prints_its_key_has_it_blanked_out(node: Node) -> None:
+    leaky = readable_directory() / "leaky_taskapp.py"
     leaky.write_text(
         "import os, runpy, sys\n"
         "print('my key is', os.environ['ENVIRONMENT_API_KEY'], flush=True)\n"
@@ -234,6 +234,18 @@ def test_a_task_app_that_prints_its_key_has_it_blanked_out(node: Node, tmp_path)
         assert gateway.verify("leaky")["ok"]
         output = wait_for(lambda: (text := gateway.logs("leaky")) and "my key is" in text and text)
     assert "my key is [REDACTED]" in output and node.key not in output
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="Task Apps get users of their own under root only")
+def test_code_its_user_cannot_read_is_reported_before_it_starts(node: Node, tmp_path) -> None:
+    hidden = tmp_path / "private_taskapp.py"  # pytest's directories are 0700
+    hidden.write_text(Path(COPY_TASK).read_text())
+    with node.client() as gateway:
+        gateway.register("hidden", command=[sys.executable, str(hidden)])
+        report = gateway.verify("hidden")
+    assert not report["ok"]
+    assert "who cannot read" in report["healthy"]["detail"], report
+    assert str(hidden) in report["healthy"]["detail"]
 
 
 def test_a_command_that_cannot_start_is_reported(node: Node) -> None:

@@ -191,7 +191,7 @@ async def test_work_in_trajectories_out_with_reproducible_logprobs(
     generator.wait_healthy()
     job_id = unique_id("job")
     items = work_items(stack, tiny_model, job_id, 6)
-    producer = make_bus("learner-test")
+    producer = make_bus("learner-test", signer=stack.signer("learner"))
     await producer.start()
     for item in items:
         await producer.publish(item)
@@ -224,7 +224,7 @@ async def test_multi_turn_episode_is_one_trajectory_with_every_turn(
     generator.wait_healthy()
     job_id = unique_id("job")
     (item,) = work_items(stack, tiny_model, job_id, 1, task_app="guess", high=1000, max_turns=3)
-    producer = make_bus("learner-test")
+    producer = make_bus("learner-test", signer=stack.signer("learner"))
     await producer.start()
     await producer.publish(item)
     (trajectory,) = await collect(make_bus, job_id, 1)
@@ -261,7 +261,7 @@ async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
     )
     generator.wait_healthy()
     job_id = unique_id("job")
-    producer = make_bus("learner-test")
+    producer = make_bus("learner-test", signer=stack.signer("learner"))
     await producer.start()
     first = work_items(stack, tiny_model, job_id, 2)
     for item in first:
@@ -341,7 +341,7 @@ async def test_two_generators_share_work_and_a_killed_one_loses_none(
     await until(split)
     job_ids = job_ids_on_every_partition(partitions, per_partition=2)  # so b surely has work
     items = [w for job in job_ids for w in work_items(stack, tiny_model, job, 8)]
-    producer = make_bus("learner-test")
+    producer = make_bus("learner-test", signer=stack.signer("learner"))
     await producer.start()
     for item in items:
         await producer.publish(item)
@@ -440,7 +440,7 @@ async def test_the_official_openai_client_works_against_rollout_endpoints(
         generator.wait_healthy()
         job_id = unique_id("job")
         (item,) = work_items(stack, tiny_model, job_id, 1, task_app=name)
-        producer = make_bus("learner-test")
+        producer = make_bus("learner-test", signer=stack.signer("learner"))
         await producer.start()
         await producer.publish(item)
         (trajectory,) = await collect(make_bus, job_id, 1)
@@ -470,7 +470,7 @@ async def test_a_failed_rollout_is_published_as_failed_not_dropped(
             "model": ModelSpec(source=str(tiny_model.parent / "no-such-model")),
         }
     )
-    producer = make_bus("learner-test")
+    producer = make_bus("learner-test", signer=stack.signer("learner"))
     await producer.start()
     for item in (unknown_app, bad_model, fine):
         await producer.publish(item)
@@ -545,7 +545,7 @@ async def test_sigterm_mid_run_exits_cleanly_and_leaves_unfinished_work_to_other
         first.wait_healthy()
         job_id = unique_id("job")
         items = work_items(stack, tiny_model, job_id, 8, task_app=name)
-        producer = make_bus("learner-test")
+        producer = make_bus("learner-test", signer=stack.signer("learner"))
         await producer.start()
         for item in items:
             await producer.publish(item)
@@ -610,7 +610,7 @@ async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads
         w.model_copy(update={"id": uuid.uuid4(), "group_id": "1/0", "seed": 5})
         for w in work_items(stack, qwen_model, job_id, 2, task_app="guess", high=1000, max_turns=3)
     ]
-    producer = make_bus("learner-test")
+    producer = make_bus("learner-test", signer=stack.signer("learner"))
     await producer.start()
     for item in items:
         await producer.publish(item)

@@ -53,6 +53,8 @@ def attacked(tmp_path_factory, kafka_broker) -> Iterator[AttackedNode]:
         attacker = node.create_org(unique_id("attacker"), {"ENVIRONMENT_API_KEY": "tk-attacker"})
         victim = node.create_org(unique_id("victim"), {"ENVIRONMENT_API_KEY": VICTIM_KEY})
         assert node.register_example_task_app(victim, "copy", "copy_task")["ok"]
+        # The attacker's jobs are refused for what they ask, never for lack of a Task App.
+        assert node.register_example_task_app(attacker, "copy", "copy_task")["ok"]
         model = init_tiny_model(directory / "tiny", seed=0)
         job = example_job(
             "copy_task", model, steps=2, group_size=4, prompts_per_step=2, checkpoint_every=1

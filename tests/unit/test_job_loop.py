@@ -109,7 +109,9 @@ async def test_cancel_stops_with_a_checkpoint_of_the_steps_taken(tiny_model, tmp
         await task
     saved = loop.events(JobEventType.CHECKPOINT_SAVED)
     assert saved and saved[-1]["step"] == loop.runner.step >= 2
-    assert (tmp_path / "job-loop" / "checkpoints" / f"step-{saved[-1]['step']:06d}").is_dir()
+    assert (
+        tmp_path / "org" / "job-loop" / "checkpoints" / f"step-{saved[-1]['step']:06d}"
+    ).is_dir()
     assert loop.runner.cancel_reason == "enough"
 
 

@@ -21,6 +21,7 @@ from rlnode.bus import clients
 from rlnode.bus.errors import RecordTooLarge, unreachable
 from rlnode.bus.reader import TopicReader
 from rlnode.bus.settings import KafkaSettings
+from rlnode.bus.signing import RecordSigner, RecordVerifier
 from rlnode.bus.subscription import Delivery, Subscription
 from rlnode.messages import DeadLetter, Envelope, topics
 from rlnode.messages.codec import encode
@@ -37,11 +38,21 @@ class Published:
 
 
 class Bus:
-    def __init__(self, settings: KafkaSettings, *, service: str) -> None:
+    def __init__(
+        self,
+        settings: KafkaSettings,
+        *,
+        service: str,
+        signer: RecordSigner | None = None,
+        verifier: RecordVerifier | None = None,
+    ) -> None:
         """`service` names this process in dead letters, events and client ids (e.g.
-        "learner", "rollout-generator/gen-0")."""
+        "learner", "rollout-generator/gen-0"); `signer` signs what it publishes, `verifier`
+        checks who produced what its subscriptions read (rlnode.bus.signing)."""
         self.settings = settings
         self.service = service
+        self.signer = signer
+        self.verifier = verifier
         self.subscriptions: list[Subscription[Any]] = []
         self._producer: AIOKafkaProducer | None = None
 
@@ -52,7 +63,16 @@ class Bus:
     # -- lifecycle ---------------------------------------------------------------------
 
     async def start(self) -> None:
-        """Connect the producer, then start the subscriptions made so far."""
+        """Have the signing key certified, connect the producer, then start the
+        subscriptions made so far."""
+        if self.signer is not None:
+            try:
+                await self.signer.start()
+            except Exception as e:
+                raise RuntimeError(
+                    f"{self.service}: cannot get a certificate for its record key from the "
+                    f"vault at {self.signer.vault_url}: {e}"
+                ) from e
         producer = clients.producer(self.settings, self.service)
         try:
             await producer.start()
@@ -107,13 +127,12 @@ class Bus:
                 if len(raw) > self.max_uncompressed_bytes:
                     raise RecordTooLarge(destination, len(raw), self.max_uncompressed_bytes)
                 sizes.append((destination, len(raw)))
+                key = _key_of(message)
+                headers = [(SCHEMA_HEADER, getattr(message, "SCHEMA", "").encode())]
+                if self.signer is not None:
+                    headers += self.signer.headers(destination, key, raw)
                 pending.append(
-                    await self._producer.send(
-                        destination,
-                        raw,
-                        key=_key_of(message),
-                        headers=[(SCHEMA_HEADER, getattr(message, "SCHEMA", "").encode())],
-                    )
+                    await self._producer.send(destination, raw, key=key, headers=headers)
                 )
         except BaseException as e:
             # What was handed over before the failure settles first (like publishing in turn).

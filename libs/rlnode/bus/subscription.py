@@ -31,6 +31,7 @@ from rlnode.bus import clients, dead_letters
 from rlnode.bus.errors import unreachable
 from rlnode.bus.ledger import OffsetLedger
 from rlnode.bus.reader import TopicReader
+from rlnode.bus.signing import RecordRefused
 from rlnode.messages import DeadLetterError, JobEventType, topics
 from rlnode.messages.codec import DecodeError, decode
 
@@ -239,13 +240,30 @@ class Subscription(Generic[M]):
         if record.value is None:
             await self._refuse(record, "decode", "the record has no value (a tombstone)", None)
             return
+        producer = None
+        verifier = self.bus.verifier
+        if verifier is not None and record.topic not in topics.UNSIGNED_TOPICS:
+            try:
+                producer = await verifier.producer(record)
+            except RecordRefused as e:
+                # No job event: an unsigned record changes nothing of the job it names.
+                await self._refuse(record, "producer", e.reason, None)
+                return
         try:
             payload = decode(record.value, self.model)
         except DecodeError as e:
             await self._refuse(record, e.kind, e.reason, e.document)
             return
+        if producer is not None and not topics.may_produce(producer, record.topic, payload):
+            what = getattr(getattr(payload, "type", None), "value", type(payload).__name__)
+            reason = f"{producer!r} may not produce {what} on {record.topic}"
+            await self._refuse(record, "producer", reason, None)
+            return
         try:
             await self.handler(payload, Delivery.of(record))
+        except RecordRefused as e:  # the handler found it names what is not its producer's
+            await self._refuse(record, "producer", e.reason, None)
+            return
         except asyncio.CancelledError:
             if self.group_id is not None:
                 log.info(

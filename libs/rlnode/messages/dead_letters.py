@@ -8,7 +8,9 @@ from pydantic import Field, NonNegativeInt
 
 from rlnode.messages.base import ResourceId, Stamped
 
-DeadLetterError = Literal["decode", "validation", "handler"]
+# producer: unsigned, signed by no service the vault certified, or by one that may not
+# produce this record (rlnode.bus.signing).
+DeadLetterError = Literal["decode", "validation", "producer", "handler"]
 
 
 class DeadLetter(Stamped):

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
+from rlnode.service import registry
+
 if TYPE_CHECKING:
     from rlnode.messages.base import Stamped
 
@@ -22,6 +24,41 @@ ALL_TOPICS: Final[tuple[str, ...]] = (
     WEIGHT_VERSIONS,
     DEAD_LETTERS,
 )
+
+# Who may produce what (docs/security.md). Services sign what they publish with a key the
+# vault certified under their name (rlnode.bus.signing); a consumer takes a record only
+# from a service named here for its topic (and, on job-events, for the event's type).
+# Job requests come from users and are not signed: they carry a job token instead.
+LEARNER: Final = registry.LEARNER.name
+GENERATOR: Final = registry.GENERATOR.name
+CHECKPOINT_SERVER: Final = registry.CHECKPOINT_SERVER.name
+UNSIGNED_TOPICS: Final = frozenset({JOB_REQUESTS})
+PRODUCERS: Final[dict[str, frozenset[str]]] = {
+    ROLLOUT_WORK: frozenset({LEARNER}),
+    TRAJECTORIES: frozenset({GENERATOR}),
+    WEIGHT_VERSIONS: frozenset({LEARNER}),
+    JOB_EVENTS: frozenset({LEARNER, GENERATOR, CHECKPOINT_SERVER}),
+    DEAD_LETTERS: frozenset({LEARNER, GENERATOR, CHECKPOINT_SERVER}),
+}
+# Event types a service other than the learner (which produces every type) may publish:
+# what it reports itself, and job.failed when a record of the job was unusable to it.
+OTHER_EVENT_PRODUCERS: Final[dict[str, frozenset[str]]] = {
+    GENERATOR: frozenset(
+        {"weights.loaded", "weights.refused", "trajectory.too_large", "job.failed"}
+    ),
+    CHECKPOINT_SERVER: frozenset({"job.failed"}),
+}
+
+
+def may_produce(service: str, topic: str, payload: object) -> bool:
+    """Whether `service` may have produced `payload` on `topic`."""
+    if service not in PRODUCERS.get(topic, frozenset()):
+        return False
+    if topic != JOB_EVENTS or service == LEARNER:
+        return True
+    kind = getattr(getattr(payload, "type", None), "value", None)
+    return kind in OTHER_EVENT_PRODUCERS.get(service, frozenset())
+
 
 # The consumer groups of docs/architecture.md §2.
 LEARNER_GROUP: Final = "learner"

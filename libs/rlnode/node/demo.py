@@ -6,6 +6,7 @@ question, and shuts everything down."""
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 import time
 from datetime import datetime
@@ -30,7 +31,9 @@ def run_demo(steps: int = 60, data_dir: Path | None = None) -> int:
     say(
         "1/6  starting the node: embedded broker, vault, gateway, generator, learner, checkpoint-server"
     )
-    with LocalNode(NodeOptions(data_dir=root / "node")) as node:
+    # The learner loads the demo's model from where the demo builds it.
+    model_dirs = {"learner": {"LEARNER_MODEL_DIRS": json.dumps([str(root / "tiny-model")])}}
+    with LocalNode(NodeOptions(data_dir=root / "node", env=model_dirs)) as node:
         say(f"     up in {time.perf_counter() - started:.0f}s (broker {node.bootstrap})")
         say(
             "2/6  creating org 'demo'; sealing ENVIRONMENT_API_KEY with its public key on this side"

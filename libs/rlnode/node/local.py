@@ -8,10 +8,12 @@ clients, as it would against any node."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,11 +133,22 @@ class LocalNode:
                 own = vault_url | gateway_url | token | {"GENERATOR_ID": name}
                 self._service(GENERATOR, own, env, instance=name, index=index)
         if LEARNER.name in wanted:
-            self._service(LEARNER, vault_url | gateway_url | self._token_env(LEARNER), learner_env)
+            learner = vault_url | gateway_url | self._token_env(LEARNER) | self._model_dirs()
+            self._service(LEARNER, learner, learner_env)
         if CHECKPOINT_SERVER.name in wanted:
-            self._service(CHECKPOINT_SERVER, vault_url, serving_env)
+            self._service(
+                CHECKPOINT_SERVER, vault_url | self._token_env(CHECKPOINT_SERVER), serving_env
+            )
         for process in self.processes.values():
             process.wait_healthy(timeout_s=60)
+
+    @staticmethod
+    def _model_dirs() -> dict[str, str]:
+        """The embedded node loads local models from the temporary directory (where
+        `rlnode model init` puts them in the README) unless the operator says otherwise."""
+        if "LEARNER_MODEL_DIRS" in os.environ:
+            return {}
+        return {"MODEL_DIRS": json.dumps([tempfile.gettempdir()])}
 
     def _token_env(self, spec: ServiceSpec) -> dict[str, str]:
         """SERVICE_TOKEN: a node-wide token with the scopes the registry gives the service."""

@@ -30,7 +30,9 @@ class GatewayClient(ApiClient):
         env: dict[str, str] | None = None,
         secret: str = "ENVIRONMENT_API_KEY",
         org_id: str | None = None,
+        limits: dict[str, int] | None = None,
     ) -> dict:
+        """`limits` (managed): memory_mb, processes, open_files, within the node's caps."""
         body = {
             "name": name,
             "url": url,
@@ -38,6 +40,7 @@ class GatewayClient(ApiClient):
             "cwd": cwd,
             "env": env or {},
             "secret": secret,
+            "limits": limits,
         }
         return self._request("POST", f"/v1/orgs/{self._org(org_id)}/taskapps", json=body)
 

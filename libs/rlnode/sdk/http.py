@@ -23,6 +23,12 @@ class ApiError(RuntimeError):
         self.message = message
 
 
+def service_url(spec: ServiceSpec, url: str | None = None) -> str:
+    """`url`, else the service's URL variable, else its default on this machine."""
+    env = spec.client_url_env or f"{spec.env_prefix}URL"
+    return (url or os.environ.get(env) or spec.default_url).rstrip("/")
+
+
 class ApiClient:
     error: ClassVar[type[ApiError]] = ApiError
     spec: ClassVar[ServiceSpec]  # the service it talks to: its URL variable and default URL
@@ -39,7 +45,7 @@ class ApiClient:
         timeout_s: float = 10.0,
         transport: httpx.BaseTransport | None = None,
     ) -> None:
-        self.url = (url or os.environ.get(self.url_env) or self.spec.default_url).rstrip("/")
+        self.url = service_url(self.spec, url)
         self.token = token
         self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
 

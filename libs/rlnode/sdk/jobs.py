@@ -12,17 +12,27 @@ token never goes on Kafka).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rlnode.bus import Bus
 from rlnode.bus.settings import KafkaSettings
+from rlnode.bus.signing import RecordRefused, RecordVerifier
 from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, ends_the_job, topics
 from rlnode.messages.codec import DecodeError, decode
+from rlnode.sdk.http import service_url
 from rlnode.sdk.vault import VaultClient
+from rlnode.service.auth import VaultTokenVerifier
+from rlnode.service.registry import VAULT
+
+if TYPE_CHECKING:
+    from aiokafka.structs import ConsumerRecord
+
+log = logging.getLogger("rlnode.sdk.jobs")
 
 
 class JobError(RuntimeError):
@@ -60,8 +70,11 @@ class JobsClient:
         from it); `vault_url`: default RLNODE_VAULT_URL or the local vault."""
         self.org_id = org_id
         self.token = token
-        self.vault_url = vault_url
+        self.vault_url = service_url(VAULT, vault_url)
         self.kafka = kafka or KafkaSettings()
+        # Events are taken only from the services that may produce them (anyone who can
+        # write to the topic could forge one).
+        self._verifier = RecordVerifier(VaultTokenVerifier(self.vault_url))
         self._bus = Bus(self.kafka, service=service)
         self._started = False
 
@@ -130,6 +143,8 @@ class JobsClient:
                     event = _job_event(record.value)
                     if event is None or event.job_id != job_id:
                         continue
+                    if not await self._from_a_service(record, event):
+                        continue
                     last_news, seen = time.monotonic(), True
                     yield event
                     accepted = accepted or event.type is JobEventType.ACCEPTED
@@ -159,6 +174,17 @@ class JobsClient:
             kind = last.type.value if last else "unknown"
             raise JobError(f"job {job_id} {kind.removeprefix('job.')}: {reason}", last)
         return last
+
+    async def _from_a_service(self, record: ConsumerRecord, event: JobEvent) -> bool:
+        try:
+            producer = await self._verifier.producer(record)
+        except RecordRefused as e:
+            log.warning("skipped an event of job %s: %s", event.job_id, e.reason)
+            return False
+        if not topics.may_produce(producer, topics.JOB_EVENTS, event):
+            log.warning("skipped a %s of job %s from %s", event.type.value, event.job_id, producer)
+            return False
+        return True
 
 
 def _job_event(raw: bytes) -> JobEvent | None:

@@ -67,6 +67,14 @@ class VaultClient(ApiClient):
         body = {"job_id": job_id}
         return self._request("POST", f"/v1/orgs/{self._org(org_id)}/job-tokens", json=body)["token"]
 
+    def certify_record_key(self, public_key: bytes) -> dict:
+        """With a service token holding records:sign: the vault's certificate for this
+        process's record-signing key ({certificate, service, expires_at})."""
+        import base64
+
+        body = {"public_key": base64.b64encode(public_key).decode()}
+        return self._request("POST", "/v1/record-keys", json=body)
+
     def create_service_token(
         self, service: str, scopes: list[str], org_id: str | None = None, ttl_s: int | None = None
     ) -> dict:

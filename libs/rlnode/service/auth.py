@@ -45,6 +45,7 @@ class Scope(StrEnum):
     TASKAPPS_READ = "taskapps:read"  # list and verify Task Apps
     ROLLOUTS_RUN = "rollouts:run"  # services only: run rollouts through the gateway
     NODE_OPS = "node:ops"  # operators' service tokens: every org's jobs and each service's state
+    RECORDS_SIGN = "records:sign"  # services only: certify a key that signs what they publish
 
 
 ORG_SCOPES = frozenset(
@@ -277,13 +278,26 @@ class VaultTokenVerifier(TokenVerifier):
             ) from None
 
     def verify(self, token: str | None) -> TokenClaims:
+        self._ensure_key()
+        return super().verify(token)
+
+    def _ensure_key(self) -> None:
         if self.verify_key is None:
             with self._lock:
                 if self.verify_key is None:
                     key = VerifyKey(base64.b64decode(self._get("/v1/verify-key")["public_key"]))
                     self.key_id = verify_key_id(key)
                     self.verify_key = key
-        return super().verify(token)
+
+    def needs_refresh(self) -> bool:
+        """Whether `refresh` has HTTP to do (callers on an event loop run it in a thread)."""
+        stale = time.monotonic() - self._fetched_at > self._refresh_s
+        return self.verify_key is None or stale
+
+    def refresh(self) -> None:
+        """The verify key (once) and the revocation list (when stale), from the vault."""
+        self._ensure_key()
+        self._check_revoked("")
 
     def _check_revoked(self, token_id: str) -> bool:
         with self._lock:

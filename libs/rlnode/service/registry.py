@@ -51,20 +51,21 @@ GENERATOR = ServiceSpec(
     "rlnode_services.rollout_generator",
     8730,
     "GENERATOR_",
-    token_scopes=(Scope.ROLLOUTS_RUN,),
+    token_scopes=(Scope.ROLLOUTS_RUN, Scope.RECORDS_SIGN),
 )
 LEARNER = ServiceSpec(
     "learner",
     "rlnode_services.learner",
     8740,
     "LEARNER_",
-    token_scopes=(Scope.TASKAPPS_READ, Scope.SECRETS_READ),
+    token_scopes=(Scope.TASKAPPS_READ, Scope.SECRETS_READ, Scope.RECORDS_SIGN),
 )
 CHECKPOINT_SERVER = ServiceSpec(
     "checkpoint-server",
     "rlnode_services.checkpoint_server",
     8750,
     "CHECKPOINT_SERVER_",
+    token_scopes=(Scope.RECORDS_SIGN,),
     client_url_env="RLNODE_CHECKPOINT_URL",
 )
 

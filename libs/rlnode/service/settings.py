@@ -29,10 +29,27 @@ class NodeSettings(BaseSettings):
         validation_alias="RLNODE_DATA_DIR",
         description="Databases, logs, secrets and the checkpoint store (default ~/.rlnode).",
     )
+    checkpoint_store: Path | None = Field(
+        None,
+        validation_alias="RLNODE_CHECKPOINT_DIR",
+        description="The checkpoint store every service of the node shares: <org>/<job>/ per "
+        "job (default: $RLNODE_DATA_DIR/checkpoints).",
+    )
+    weights_store: Path = Field(
+        Path("/dev/shm/rlnode-weights"),
+        validation_alias="RLNODE_WEIGHTS_DIR",
+        description="Where weight versions for the generators go when it has room (memory, on "
+        "one node), <org>/<job>/ per job; else beside the job's checkpoints.",
+    )
 
     @property
     def checkpoint_dir(self) -> Path:
-        return self.data_dir / "checkpoints"
+        return self.checkpoint_store or self.data_dir / "checkpoints"
+
+    @property
+    def stores(self) -> tuple[Path, Path]:
+        """Where a record's file:// URI may point: inside <store>/<org>/<job>/ of these."""
+        return self.checkpoint_dir, self.weights_store
 
 
 class DatabaseSettings(BaseSettings):

@@ -35,6 +35,7 @@ from rlnode.messages.jobs import (
     WeightsPublishedData,
 )
 from rlnode.service.registry import LEARNER
+from rlnode.service.stores import job_dir
 from rlnode.training.distributed import DataParallelTrainer
 from rlnode.training.grpo import group_advantages, samples_from
 from rlnode.training.trainer import WEIGHT_DTYPES, TrainerConfig
@@ -72,17 +73,19 @@ class JobRunner:
         reference_device: str | None = None,
         weights_dir: Path | None = None,
         weights_dtype: str = "float32",
+        max_checkpoint_bytes: int | None = None,
     ) -> None:
-        """`weights_dir`: where weight versions go (default: on /dev/shm when it has room,
-        else beside the checkpoints); `weights_dtype`: the engines' dtype, which they are
+        """`weights_dir`: the weights store, where weight versions go when it has room
+        (None: beside the checkpoints); `weights_dtype`: the engines' dtype, which they are
         written in."""
         self.job_id, self.org_id, self.config = job_id, org_id, config
         self.transport = transport
-        self.root = checkpoint_root / job_id
+        self.root = job_dir(checkpoint_root, org_id, job_id)
         self.devices = devices
         self.reference_device = reference_device
         self.weights_root = weights_dir
         self.weights_dtype = weights_dtype
+        self.max_checkpoint_bytes = max_checkpoint_bytes
         self.weights_dir = self.root / "weights"
         self.step_timeout_s = step_timeout_s
         self.on_progress = on_progress
@@ -298,18 +301,15 @@ class JobRunner:
 
     def _choose_weights_dir(self) -> Path:
         """Weight versions are read once by each generator soon after they are written: on
-        one node they belong in memory (/dev/shm) when it holds the versions kept with room
-        to spare; checkpoints stay on disk."""
-        if self.weights_root is not None:
-            return self.weights_root / self.job_id
+        one node they belong in memory (the weights store, /dev/shm by default) when it holds
+        the versions kept with room to spare; checkpoints stay on disk."""
+        if self.weights_root is None:
+            return self.root / "weights"
         assert self.trainer is not None
         size = self.trainer.model.num_parameters() * WEIGHT_DTYPES[self.weights_dtype].itemsize
-        shared_memory = Path("/dev/shm")
-        if (
-            shared_memory.is_dir()
-            and shutil.disk_usage(shared_memory).free > 2 * self._kept() * size
-        ):
-            return shared_memory / "rlnode-weights" / self.job_id
+        existing = next(p for p in (self.weights_root, *self.weights_root.parents) if p.is_dir())
+        if shutil.disk_usage(existing).free > 2 * self._kept() * size:
+            return job_dir(self.weights_root, self.org_id, self.job_id)
         return self.root / "weights"
 
     def _kept(self) -> int:
@@ -367,6 +367,14 @@ class JobRunner:
             "final": final,
         }
         await asyncio.to_thread(self.trainer.save_checkpoint, path, state)
+        if self.max_checkpoint_bytes is not None:
+            used = await asyncio.to_thread(_bytes_under, self.root / "checkpoints")
+            if used > self.max_checkpoint_bytes:
+                raise RuntimeError(
+                    f"the job's checkpoints hold {used / 2**30:.2f} GiB, over this node's "
+                    f"{self.max_checkpoint_bytes / 2**30:.2f} GiB per job "
+                    "(LEARNER_MAX_CHECKPOINT_BYTES)"
+                )
         self.checkpointed_step = self.step - 1
         await self._event(
             JobEventType.CHECKPOINT_SAVED,
@@ -398,3 +406,7 @@ class JobRunner:
         await self.transport.publish_event(
             JobEvent.of(self.job_id, self.org_id, self.source, kind, message, data)
         )
+
+
+def _bytes_under(directory: Path) -> int:
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rlnode.bus import Bus
+from rlnode.bus.signing import signing_for
 from rlnode.messages import topics
 from rlnode.service.app import create_service_app
 from rlnode.service.auth import VaultTokenVerifier
@@ -32,7 +33,7 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
     indexer = Indexer(db, root)
     checkpoints = Checkpoints(db, root)
     cache = ModelCache(settings)
-    bus = Bus(settings.kafka, service=SERVICE.name)
+    bus = Bus(settings.kafka, service=SERVICE.name, **signing_for(settings))
     bus.subscribe(topics.JOB_EVENTS, indexer.on_event, group_id=settings.group_id)
     bus.subscribe(topics.WEIGHT_VERSIONS, indexer.on_weights, group_id=settings.group_id)
 

@@ -9,13 +9,13 @@ from __future__ import annotations
 import json
 import logging
 from pathlib import Path
-from urllib.parse import unquote, urlparse
 
 from sqlalchemy.engine import Engine
 
 from rlnode.bus import Delivery
 from rlnode.messages import ENDED_STATUSES, JobEvent, JobEventType, WeightVersion, utc_now
 from rlnode.service.db import session_scope
+from rlnode.service.stores import job_dir, path_in_job_store
 from rlnode_services.checkpoint_server.store import CheckpointRecord, JobSummary, WeightRecord
 
 log = logging.getLogger("checkpoint_server.index")
@@ -30,14 +30,10 @@ STATUS_OF = {
 }
 
 
-def local_path(uri: str, root: Path) -> Path | None:
-    """The file a `file://` URI names, if it lies inside the checkpoint store (a record on
-    the topic must not make this server read files elsewhere)."""
-    parsed = urlparse(uri)
-    if parsed.scheme != "file":
-        return None
-    path = Path(unquote(parsed.path)).resolve()
-    return path if path.is_relative_to(root.resolve()) else None
+def local_path(uri: str, root: Path, org_id: str, job_id: str) -> Path | None:
+    """The file a `file://` URI names, if it lies in the checkpoint store under the org and
+    job the record names (a record must not make this server read files elsewhere)."""
+    return path_in_job_store(uri, [root], org_id, job_id)
 
 
 class Indexer:
@@ -51,7 +47,7 @@ class Indexer:
         self._summarise(event)
 
     async def on_weights(self, version: WeightVersion, _delivery: Delivery) -> None:
-        if local_path(version.uri, self.root) is None:
+        if local_path(version.uri, self.root, version.org_id, version.job_id) is None:
             # The learner writes weight versions to /dev/shm when it has room: working
             # copies, pruned as training goes on, not artefacts to index (checkpoints are).
             log.debug(
@@ -77,8 +73,14 @@ class Indexer:
         if not isinstance(uri, str) or not isinstance(step, int):
             log.warning("checkpoint.saved of %s without uri/step: %s", event.job_id, event.data)
             return
-        if local_path(uri, self.root) is None:
-            log.warning("checkpoint of %s outside the checkpoint store: %s", event.job_id, uri)
+        if local_path(uri, self.root, event.org_id, event.job_id) is None:
+            log.warning(
+                "checkpoint of %s outside its place in the store (%s/%s/): %s",
+                event.job_id,
+                event.org_id,
+                event.job_id,
+                uri,
+            )
             return
         with session_scope(self.engine) as s:
             s.merge(
@@ -130,12 +132,12 @@ class Indexer:
             s.add(summary)
 
     def _append_metrics(self, event: JobEvent) -> None:
-        path = metrics_path(self.root, event.job_id)
+        path = metrics_path(self.root, event.org_id, event.job_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         line = {"ts": event.ts.isoformat(), **event.data}
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
 
 
-def metrics_path(root: Path, job_id: str) -> Path:
-    return root / job_id / "metrics.jsonl"
+def metrics_path(root: Path, org_id: str, job_id: str) -> Path:
+    return job_dir(root, org_id, job_id) / "metrics.jsonl"

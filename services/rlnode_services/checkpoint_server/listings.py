@@ -34,7 +34,8 @@ def listing_routes(db: Engine, root: Path, checkpoints: Checkpoints) -> APIRoute
                 "model": r.model,
                 "uri": r.uri,
                 "final": r.final,
-                "on_disk": (p := local_path(r.uri, root)) is not None and p.exists(),
+                "on_disk": (p := local_path(r.uri, root, r.org_id, r.job_id)) is not None
+                and p.exists(),
                 "created_at": r.created_at.isoformat(),
             }
             for r in checkpoints.of_job(org_of(claims), job)
@@ -105,7 +106,7 @@ def listing_routes(db: Engine, root: Path, checkpoints: Checkpoints) -> APIRoute
     async def metrics(claims: Caller, job_id: str) -> FileResponse:
         """Every train.step of the job, one JSON object per line."""
         await job(claims, job_id)
-        path = metrics_path(root, job_id)
+        path = metrics_path(root, org_of(claims), job_id)
         if not path.exists():
             raise ModelProblem(404, f"job {job_id!r} has no training steps yet", "not_found_error")
         return FileResponse(path, media_type="application/x-ndjson")

@@ -80,7 +80,7 @@ class Checkpoints:
                     "not_found_error",
                 )
             record = found
-        path = local_path(record.uri, self.root)
+        path = local_path(record.uri, self.root, record.org_id, record.job_id)
         if path is None or not (path / "config.json").exists():
             raise ModelProblem(
                 410,

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import Depends, FastAPI, Header, Query, Request, Response
 from fastapi.responses import JSONResponse
 from nacl.public import PublicKey
 
+from rlnode.bus.signing import issue_certificate
 from rlnode.service.app import create_service_app
 from rlnode.service.auth import (
     JOB_SCOPES,
@@ -21,12 +23,12 @@ from rlnode.service.auth import (
 )
 from rlnode.service.db import engine_for
 from rlnode.service.http import BodySizeLimit, install_error_handlers
-from rlnode.service.sealing import public_key_b64
+from rlnode.service.sealing import SealingError, b64decode_strict, public_key_b64
 from rlnode_services.credential_vault import schemas as api
 from rlnode_services.credential_vault.crypto import KeyWrapper, load_master_key
 from rlnode_services.credential_vault.settings import SERVICE, VaultSettings
 from rlnode_services.credential_vault.store import AuditRecord, IssuedToken, OrgKey, Secret
-from rlnode_services.credential_vault.vault import Actor, Vault, VaultError
+from rlnode_services.credential_vault.vault import Actor, BadInput, Vault, VaultError
 
 MAX_BODY_BYTES = 64 * 1024
 
@@ -199,6 +201,42 @@ def create_app(settings: VaultSettings) -> FastAPI:
             "service", body.service, body.org_id, set(body.scopes), body.ttl_s, who.actor
         )
         return _token_out(issued.token, issued.record)
+
+    @app.post(
+        "/v1/record-keys",
+        status_code=201,
+        response_model=api.RecordKeyCertificate,
+        tags=["identity"],
+    )
+    def certify_record_key(
+        body: api.CertifyRecordKey, who: Authenticated
+    ) -> api.RecordKeyCertificate:
+        """A service's certificate for the key it signs its Kafka records with (node-wide
+        service tokens with records:sign). It names the service as the token does, and
+        lapses with the token: revoking the token revokes the certificate."""
+        claims = who.claims
+        if claims is None or claims.kind != "service" or claims.org_id is not None:
+            raise AuthError(403, "only a node-wide service token may certify a record key")
+        vault.verifier.authorize_claims(claims, scopes=[Scope.RECORDS_SIGN])
+        try:
+            public_key = b64decode_strict(body.public_key, "public_key")
+        except SealingError as e:
+            raise BadInput(str(e)) from None
+        if len(public_key) != 32:
+            raise BadInput("public_key must be a 32-byte Ed25519 key, base64")
+        certificate = issue_certificate(
+            vault.signing_key,
+            vault.verify_key_id,
+            claims.subject,
+            public_key,
+            claims.token_id,
+            claims.expires_at,
+        )
+        return api.RecordKeyCertificate(
+            certificate=certificate,
+            service=claims.subject,
+            expires_at=datetime.fromtimestamp(claims.expires_at, UTC),
+        )
 
     @app.delete("/v1/service-tokens/{token_id}", status_code=204, tags=["tokens"])
     def revoke_service_token(token_id: str, who: Authenticated) -> Response:

@@ -64,6 +64,16 @@ class CreateJobToken(Strict):
     job_id: ResourceId = Field(description="The one job the token may start or cancel.")
 
 
+class CertifyRecordKey(Strict):
+    public_key: str = Field(min_length=1, max_length=100, description="Ed25519, base64")
+
+
+class RecordKeyCertificate(BaseModel):
+    certificate: str
+    service: str
+    expires_at: datetime
+
+
 class CreateServiceToken(Strict):
     service: str = Field(min_length=1, max_length=200, pattern=r"^[a-z0-9][a-z0-9._/-]*$")
     scopes: list[Scope] = Field(min_length=1)

@@ -10,6 +10,7 @@ from fastapi import FastAPI
 from sqlmodel import Session, col, select
 
 from rlnode.bus import Bus
+from rlnode.bus.signing import signing_for
 from rlnode.messages import topics
 from rlnode.service.app import create_service_app
 from rlnode.service.auth import Scope, TokenVerifier, VaultTokenVerifier, require_operator
@@ -22,7 +23,7 @@ from rlnode_services.learner.store import JobRecord
 
 
 def create_app(settings: LearnerSettings) -> FastAPI:
-    bus = Bus(settings.kafka, service=SERVICE.name)
+    bus = Bus(settings.kafka, service=SERVICE.name, **signing_for(settings))
     engine = engine_for(SERVICE.name, settings.database, settings.node)
     verifier = VaultTokenVerifier(settings.vault_url)
     manager = JobManager(settings, bus, engine, JobIntake(settings, verifier, engine))

@@ -18,6 +18,13 @@ from rlnode.sdk.gateway import GatewayClient, GatewayError
 from rlnode.sdk.vault import VaultClient, VaultError
 from rlnode.service.auth import LEEWAY_S, AuthError, Scope, TokenClaims, TokenVerifier
 from rlnode.service.db import session_scope
+from rlnode_services.learner.limits import (
+    OverLimit,
+    check_checkpoint_bytes,
+    check_limits,
+    check_model_source,
+    check_org_jobs,
+)
 from rlnode_services.learner.settings import LearnerSettings
 from rlnode_services.learner.store import UsedJobToken
 
@@ -64,6 +71,13 @@ class JobIntake:
         if request.action == "cancel":
             return Verdict(True)
         assert request.config is not None
+        try:
+            check_limits(self.settings, request.config)
+            check_model_source(self.settings, request.config, request.org_id)
+            check_checkpoint_bytes(self.settings, request.config)
+            await asyncio.to_thread(check_org_jobs, self.settings, self.engine, request.org_id)
+        except OverLimit as e:
+            return Verdict(False, str(e))
         plan = self.check_plan(request.config)
         if not plan.ok:
             return plan

@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from rlnode.bus import Bus, Delivery, Subscription
+from rlnode.bus.signing import RecordRefused
 from rlnode.messages import (
     JobConfig,
     JobEvent,
@@ -146,8 +147,9 @@ class JobManager:
             source=self.bus.service,
             on_progress=lambda step: self._set(job_id, step=step),
             reference_device=self.settings.reference_device,
-            weights_dir=self.settings.weights_dir,
+            weights_dir=self.settings.node.weights_store,
             weights_dtype=self.settings.engine_dtype,
+            max_checkpoint_bytes=self.settings.max_checkpoint_bytes,
         )
         self.runners[record.job_id] = runner
         self._set(record.job_id, status="running")
@@ -227,8 +229,14 @@ class JobManager:
 
     async def on_trajectory(self, trajectory: Trajectory, _delivery: Delivery) -> None:
         runner = self.runners.get(trajectory.job_id)
-        if runner is not None:
-            runner.offer(trajectory)
+        if runner is None:
+            return
+        if trajectory.org_id != runner.org_id:
+            raise RecordRefused(
+                f"a trajectory of job {trajectory.job_id} names org {trajectory.org_id!r}; "
+                f"the job is {runner.org_id!r}'s"
+            )
+        runner.offer(trajectory)
 
     def _settled(self, tag: tuple[str, int]) -> bool:
         """Whether a trajectory of (job, step) needs reading again after a restart: not

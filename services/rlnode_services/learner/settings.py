@@ -34,11 +34,6 @@ class LearnerSettings(VaultClientSettings):
         description="Where a job with reference 'dedicated' keeps its reference model "
         "(the GPU plan sets it: the dedicated GPU); otherwise beside the policy.",
     )
-    weights_dir: Path | None = Field(
-        None,
-        description="Where weight versions are written for the generators (default: "
-        "/dev/shm when it has room, else beside the checkpoints).",
-    )
     weights_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto",
         description="The dtype weight versions are written in: the engines' (auto: bfloat16 "
@@ -54,6 +49,29 @@ class LearnerSettings(VaultClientSettings):
     )
     step_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for one step's trajectories."
+    )
+
+    # What one request may cost (a request over a limit is rejected, naming it)
+    model_dirs: list[Path] = Field(
+        default_factory=list,
+        description="Directories a job's model.source may name a local model in (JSON list). "
+        "Besides these: Hugging Face repo ids, and the org's own checkpoints. `rlnode up` "
+        "allows the temporary directory.",
+    )
+    max_rollouts_per_step: int = Field(
+        4096, ge=1, description="prompts_per_step x group_size of one job, at most."
+    )
+    max_tokens_per_sample: int = Field(16384, ge=1, description="sampling.max_tokens, at most.")
+    max_seq_len: int = Field(32768, ge=1, description="model.max_seq_len, at most.")
+    max_steps: int = Field(100_000, ge=1, description="training.steps, at most.")
+    max_jobs_per_org: int = Field(
+        4, ge=1, description="Jobs of one org queued or running at once, at most."
+    )
+    max_checkpoint_bytes: int = Field(
+        500 * 2**30,
+        ge=1,
+        description="Checkpoint bytes of one job, at most: estimated from the model before it "
+        "starts, measured at each checkpoint after.",
     )
 
     @field_validator("devices")

@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rlnode.bus import Bus
+from rlnode.bus.signing import signing_for
 from rlnode.messages import topics
 from rlnode.service.app import create_service_app
 from rlnode.service.auth import VaultTokenVerifier
@@ -51,7 +52,11 @@ def _check_supported(n: int, stream: bool) -> None:
 def create_app(settings: GeneratorSettings) -> FastAPI:
     pool = EnginePool(settings)
     registry = RolloutRegistry()
-    bus = Bus(settings.kafka, service=f"{SERVICE.name}/{settings.generator_id}")
+    bus = Bus(
+        settings.kafka,
+        service=f"{SERVICE.name}/{settings.generator_id}",
+        **signing_for(settings),
+    )
     weights = WeightSync(settings, pool, bus)
     runner = RolloutRunner(settings, pool, registry, weights)
     finished = FinishedJobs(bus)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from rlnode.engine import Engine, EngineError, create_engine
 from rlnode.messages import ModelSpec, WeightVersion
+from rlnode.service.stores import path_in_job_store
 from rlnode_services.rollout_generator.settings import GeneratorSettings
 
 log = logging.getLogger("rollout_generator.engines")
@@ -84,7 +85,14 @@ class EnginePool:
         async with engines.lock:
             if version.version <= engines.loaded_version:
                 return 0.0, 0.0
-            path = version.path
+            path = path_in_job_store(
+                version.uri, self.settings.node.stores, version.org_id, version.job_id
+            )
+            if path is None:
+                raise WeightsRefused(
+                    f"{version.uri} is not in the node's stores under "
+                    f"{version.org_id}/{version.job_id}/: not this job's weights"
+                )
             if not path.is_file():
                 raise WeightsRefused(f"no weights file at {path}")
             try:

@@ -18,6 +18,13 @@ from rlnode.taskapp.contract import RolloutRequest
 from rlnode_services.taskapp_gateway.client import TaskAppClient, TaskAppFailure
 from rlnode_services.taskapp_gateway.keys import KeyProvider, KeyUnavailable
 from rlnode_services.taskapp_gateway.managed import ManagedSpec, ManagedTaskApp
+from rlnode_services.taskapp_gateway.sandbox import (
+    Limits,
+    Sandbox,
+    preferred_uid,
+    remove_home,
+    runs_as_root,
+)
 from rlnode_services.taskapp_gateway.schemas import (
     Check,
     RegisterTaskApp,
@@ -26,7 +33,7 @@ from rlnode_services.taskapp_gateway.schemas import (
     VerifyReport,
 )
 from rlnode_services.taskapp_gateway.settings import GatewaySettings
-from rlnode_services.taskapp_gateway.store import TABLES, TaskAppRecord
+from rlnode_services.taskapp_gateway.store import TABLES, SandboxRecord, TaskAppRecord
 
 
 class GatewayError(Exception):
@@ -63,6 +70,7 @@ class Gateway:
     # -- registry ----------------------------------------------------------------------
 
     def register(self, org_id: str, body: RegisterTaskApp) -> TaskAppRecord:
+        limits = self._check_limits(body.limits or Limits())
         record = TaskAppRecord(
             org_id=org_id,
             name=body.name,
@@ -79,6 +87,8 @@ class Gateway:
                 s.add(record)
                 s.flush()
                 s.refresh(record)
+                if record.kind == "managed":
+                    self._new_sandbox(s, org_id, body.name, limits)
         except IntegrityError:
             raise GatewayError(
                 f"org {org_id!r} already has a Task App named {body.name!r}; remove it first (rlnode taskapp rm)",
@@ -121,10 +131,75 @@ class Gateway:
             await managed.stop()
         with session_scope(self.engine) as s:
             s.delete(s.get(TaskAppRecord, record.id))
+            sandbox = self._sandbox_record(s, org_id, name)
+            if sandbox is not None:
+                s.delete(sandbox)
         self._records.pop((org_id, name), None)  # after the delete, so no rollout re-caches it
+        if sandbox is not None:
+            await asyncio.to_thread(remove_home, self.settings.sandbox_dir / str(sandbox.uid))
 
     def managed_status(self, record: TaskAppRecord) -> ManagedTaskApp | None:
         return self.managed.get((record.org_id, record.name)) if record.kind == "managed" else None
+
+    # -- sandboxes ---------------------------------------------------------------------
+
+    @property
+    def _own_users(self) -> bool:
+        """Whether each managed Task App gets a user of its own."""
+        return self.settings.sandbox_user == "auto" and runs_as_root()
+
+    def _check_limits(self, limits: Limits) -> Limits:
+        caps = {
+            "memory_mb": (self.settings.taskapp_max_memory_mb, "GATEWAY_TASKAPP_MAX_MEMORY_MB"),
+            "processes": (self.settings.taskapp_max_processes, "GATEWAY_TASKAPP_MAX_PROCESSES"),
+            "open_files": (
+                self.settings.taskapp_max_open_files,
+                "GATEWAY_TASKAPP_MAX_OPEN_FILES",
+            ),
+        }
+        for field, (cap, setting) in caps.items():
+            asked = getattr(limits, field)
+            if asked is not None and asked > cap:
+                raise GatewayError(
+                    f"limits.{field} {asked} is over this node's cap of {cap} ({setting})"
+                )
+        return limits
+
+    def _sandbox_record(self, s: Session, org_id: str, name: str) -> SandboxRecord | None:
+        return s.exec(
+            select(SandboxRecord).where(SandboxRecord.org_id == org_id, SandboxRecord.name == name)
+        ).first()
+
+    def _new_sandbox(self, s: Session, org_id: str, name: str, limits: Limits) -> SandboxRecord:
+        """A uid no other Task App of this gateway has (searched from a spot spread by name)."""
+        taken = set(s.exec(select(SandboxRecord.uid)))
+        attempt = 0
+        while (
+            uid := preferred_uid(self.settings.sandbox_uid_base, org_id, name, attempt)
+        ) in taken:
+            attempt += 1
+        record = SandboxRecord(
+            org_id=org_id, name=name, uid=uid, limits=limits.model_dump_json(exclude_none=True)
+        )
+        s.add(record)
+        return record
+
+    def _sandbox(self, record: TaskAppRecord) -> Sandbox:
+        with session_scope(self.engine) as s:
+            stored = self._sandbox_record(s, record.org_id, record.name)
+            if stored is None:  # registered before Task Apps had sandboxes
+                stored = self._new_sandbox(s, record.org_id, record.name, Limits())
+            limits = Limits.model_validate_json(stored.limits)
+            uid = stored.uid
+        settings = self.settings
+        return Sandbox(
+            uid=uid if self._own_users else None,
+            home=settings.sandbox_dir / str(uid),
+            memory_mb=limits.memory_mb or settings.taskapp_memory_mb,
+            processes=limits.processes or settings.taskapp_processes,
+            open_files=limits.open_files or settings.taskapp_open_files,
+            path=settings.taskapp_path,
+        )
 
     def _managed(self, record: TaskAppRecord) -> ManagedTaskApp:
         key = (record.org_id, record.name)
@@ -136,6 +211,7 @@ class Gateway:
                 cwd=record.cwd,
                 env=json.loads(record.env or "{}"),
                 secret=record.secret,
+                sandbox=self._sandbox(record),
             )
             log_path = self.log_dir / record.org_id / f"{record.name}.log"
             self.managed[key] = ManagedTaskApp(

@@ -1,5 +1,5 @@
-"""Managed Task Apps: the gateway starts the user's command on a free port with the org's
-key injected as ENVIRONMENT_API_KEY, checks its health, restarts it with backoff when it
+"""Managed Task Apps: the gateway starts the user's command in its sandbox (sandbox.py) on
+a free port with the org's key injected as ENVIRONMENT_API_KEY, checks its health, restarts it with backoff when it
 dies or stops answering, captures its output (with the key blanked out), and stops it.
 
 One asyncio task supervises each process; callers wait on `ready()`.
@@ -12,6 +12,7 @@ import contextlib
 import logging
 import os
 import signal
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -21,12 +22,13 @@ from pathlib import Path
 from rlnode.bus.localbroker import free_port
 from rlnode_services.taskapp_gateway.client import TaskAppClient, TaskAppFailure
 from rlnode_services.taskapp_gateway.keys import KeyProvider, KeyUnavailable
+from rlnode_services.taskapp_gateway.sandbox import Sandbox, prepare_home, readable_by
 from rlnode_services.taskapp_gateway.settings import GatewaySettings
 
 log = logging.getLogger("taskapp_gateway.managed")
 
 REDACTED = b"[REDACTED]"
-RESERVED_ENV = frozenset({"ENVIRONMENT_API_KEY", "PORT", "HOST"})
+RESERVED_ENV = frozenset({"ENVIRONMENT_API_KEY", "PORT", "HOST", "HOME", "TMPDIR"})
 
 
 class State(StrEnum):
@@ -45,6 +47,7 @@ class ManagedSpec:
     cwd: str | None
     env: dict[str, str]
     secret: str
+    sandbox: Sandbox
 
 
 def resolve_argv(argv: list[str]) -> list[str]:
@@ -192,26 +195,25 @@ class ManagedTaskApp:
         self.status.state = State.STARTING
         key = await self.keys.get(self.spec.org_id, self.spec.secret, fresh=True)
         port = free_port()
-        env = {
-            **os.environ,
-            **self.spec.env,
-            "ENVIRONMENT_API_KEY": key,
-            "PORT": str(port),
-            "HOST": "127.0.0.1",
-        }
+        sandbox = self.spec.sandbox
+        argv = resolve_argv(self.spec.argv)
+        self._check_readable(argv)
+        home = await asyncio.to_thread(prepare_home, sandbox.home, sandbox.uid)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
             self._proc = await asyncio.create_subprocess_exec(
-                *resolve_argv(self.spec.argv),
-                cwd=self.spec.cwd,
-                env=env,
+                *argv,
+                cwd=self.spec.cwd or home,
+                env=sandbox.environment(self.spec.env, key, port),
                 stdin=asyncio.subprocess.DEVNULL,
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() ends its children too
+                **sandbox.process_options(),
             )
-        except OSError as e:
-            raise KeyUnavailable(f"cannot start {self.spec.argv[0]!r}: {e.strerror}") from None
+        except (OSError, subprocess.SubprocessError) as e:
+            why = e.strerror if isinstance(e, OSError) else str(e)
+            raise KeyUnavailable(f"cannot start {self.spec.argv[0]!r}: {why}") from None
         self._key = key
         self.status.pid, self.status.port = self._proc.pid, port
         pump = asyncio.create_task(self._pump_output(self._proc, key))
@@ -227,6 +229,22 @@ class ManagedTaskApp:
             await self._terminate()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(pump, 5)
+
+    def _check_readable(self, argv: list[str]) -> None:
+        """A Task App running as a user of its own must be able to read its code: say so
+        before it fails with a bare 'Permission denied' in its log."""
+        uid = self.spec.sandbox.uid
+        if uid is None:
+            return
+        paths = [a for a in argv if a.startswith("/") and os.path.exists(a)]
+        paths += [self.spec.cwd] if self.spec.cwd else []
+        for path in paths:
+            if not readable_by(path, uid):
+                raise KeyUnavailable(
+                    f"managed Task Apps run as a user of their own (uid {uid}), who cannot read "
+                    f"{path}: make it readable by others (chmod o+r, and o+x on each directory "
+                    "above it)"
+                )
 
     async def _wait_healthy(self, proc: asyncio.subprocess.Process) -> bool:
         deadline = time.monotonic() + self.settings.start_timeout_s

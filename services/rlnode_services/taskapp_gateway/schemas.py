@@ -11,6 +11,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from rlnode.messages import ResourceId
 from rlnode.taskapp.contract import NormalisedRollout, RolloutRequest
 from rlnode_services.taskapp_gateway.managed import RESERVED_ENV
+from rlnode_services.taskapp_gateway.sandbox import Limits
 
 
 class Strict(BaseModel):
@@ -34,6 +35,9 @@ class RegisterTaskApp(Strict):
     )
     secret: ResourceId = Field(
         "ENVIRONMENT_API_KEY", description="the org's vault secret the Task App checks"
+    )
+    limits: Limits | None = Field(
+        None, description="managed: memory, processes and open files (default: the node's)"
     )
 
     @field_validator("url")
@@ -69,8 +73,8 @@ class RegisterTaskApp(Strict):
             raise ValueError(
                 "give either url (an external Task App) or command (a managed one), not both or neither"
             )
-        if self.url is not None and (self.cwd or self.env):
-            raise ValueError("cwd and env apply to managed Task Apps only")
+        if self.url is not None and (self.cwd or self.env or self.limits):
+            raise ValueError("cwd, env and limits apply to managed Task Apps only")
         return self
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+from typing import Literal
+
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
@@ -31,6 +35,42 @@ class GatewaySettings(VaultClientSettings):
     stable_after_s: float = Field(60.0, gt=0, description="Up this long resets the backoff.")
     stop_grace_s: float = Field(
         10.0, gt=0, description="From SIGTERM to SIGKILL when a Task App is stopped."
+    )
+
+    # The sandbox of managed Task Apps (docs/security.md)
+    sandbox_user: Literal["auto", "off"] = Field(
+        "auto",
+        description="auto: each managed Task App runs as a user of its own when the gateway "
+        "runs as root (else as the gateway's user, with the rest of the sandbox); off: as the "
+        "gateway's user always (only where every registrant is trusted).",
+    )
+    sandbox_uid_base: int = Field(
+        200_000, ge=1000, le=2**31 - 2**21, description="First uid given to Task Apps."
+    )
+    sandbox_dir: Path = Field(
+        Path(tempfile.gettempdir()) / "rlnode-taskapps",
+        description="Where each managed Task App gets its private home directory.",
+    )
+    taskapp_path: str = Field(
+        "/usr/local/bin:/usr/bin:/bin", description="PATH of managed Task Apps."
+    )
+    taskapp_memory_mb: int = Field(
+        4096, ge=64, description="Address space of a managed Task App that names none, MiB."
+    )
+    taskapp_max_memory_mb: int = Field(
+        16384, ge=64, description="The most a registration may ask (limits.memory_mb)."
+    )
+    taskapp_processes: int = Field(
+        256, ge=8, description="Processes and threads of a managed Task App that names none."
+    )
+    taskapp_max_processes: int = Field(
+        2048, ge=8, description="The most a registration may ask (limits.processes)."
+    )
+    taskapp_open_files: int = Field(
+        1024, ge=32, description="Open files of a managed Task App that names none."
+    )
+    taskapp_max_open_files: int = Field(
+        16384, ge=32, description="The most a registration may ask (limits.open_files)."
     )
 
     # Calls to Task Apps

@@ -35,4 +35,18 @@ class TaskAppRecord(SQLModel, table=True):
     )
 
 
-TABLES = (TaskAppRecord,)
+class SandboxRecord(SQLModel, table=True):
+    """The user a managed Task App runs as and the limits it asked for (a table of its own:
+    registrations made before sandboxes get one when next started)."""
+
+    __tablename__ = "gateway_taskapp_sandboxes"
+    __table_args__ = (UniqueConstraint("org_id", "name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    org_id: str = Field(max_length=128, index=True)
+    name: str = Field(max_length=128)
+    uid: int = Field(unique=True)
+    limits: str = Field(default="{}", max_length=1024, description="Limits as JSON")
+
+
+TABLES = (TaskAppRecord, SandboxRecord)
