@@ -112,6 +112,7 @@ def start_stack(directory: Path, **gateway_env: str) -> Stack:
             "GATEWAY_HEALTH_INTERVAL_S": "0.5",
             "GATEWAY_RESTART_BACKOFF_S": "0.2",
             "GATEWAY_CONNECT_RETRIES": "2",
+            "GATEWAY_ALLOW_URLS_TO": '["loopback"]',  # the Task Apps here run on loopback
             **gateway_env,
         },
     ).start()

@@ -121,7 +121,9 @@ class LocalNode:
         vault = self._service(VAULT, {}, credentials.vault_env())
         vault_url = {"VAULT_URL": vault.url}
         if GATEWAY.name in wanted:
-            self._service(GATEWAY, vault_url | self._token_env(GATEWAY))
+            # The embedded node's Task Apps run on this machine: loopback URLs are allowed.
+            loopback = {"ALLOW_URLS_TO": '["loopback"]'}
+            self._service(GATEWAY, vault_url | self._token_env(GATEWAY) | loopback)
         gateway_url = {"GATEWAY_URL": self.url(GATEWAY.name) if GATEWAY.name in wanted else ""}
         generator_env, learner_env, serving_env = plan_env(self.options.plan)
         if self.options.plan is None or self.options.plan.cpu_only:

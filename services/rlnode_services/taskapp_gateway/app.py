@@ -91,7 +91,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     async def register(org_id: str, body: RegisterTaskApp, who: Caller) -> TaskAppOut:
         """Register an external Task App (url) or a managed one (command; started now)."""
         who_may(who, org_id, Scope.TASKAPPS_WRITE)
-        return out(gateway.register(org_id, body))
+        return out(await gateway.register(org_id, body))
 
     @app.get("/v1/orgs/{org_id}/taskapps", response_model=list[TaskAppOut], tags=["taskapps"])
     async def list_taskapps(org_id: str, who: Caller) -> list[TaskAppOut]:

@@ -24,11 +24,16 @@ from rlnode.taskapp.contract import (
 
 
 class TaskAppFailure(Exception):
-    def __init__(self, kind: str, message: str, status_code: int | None = None) -> None:
+    def __init__(
+        self, kind: str, message: str, status_code: int | None = None, verdict: str | None = None
+    ) -> None:
+        """`verdict`: the message without anything the Task App sent (what `verify` may
+        report: the gateway is no way to read what an address answers)."""
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.status_code = status_code
+        self.verdict = verdict or message
 
 
 @dataclass
@@ -50,16 +55,12 @@ def _refusal_looks_like_auth(status: int, body: str) -> bool:
 def classify_status(status: int, body: str) -> TaskAppFailure:
     excerpt = body[:300]
     if _refusal_looks_like_auth(status, body):
-        return TaskAppFailure(
-            "task_app_auth_refused", f"the Task App refused the key ({status}): {excerpt}", status
-        )
-    if status >= 500:
-        return TaskAppFailure(
-            "task_app_error", f"the Task App failed ({status}): {excerpt}", status
-        )
-    return TaskAppFailure(
-        "task_app_error", f"the Task App refused the request ({status}): {excerpt}", status
-    )
+        kind, verdict = "task_app_auth_refused", f"the Task App refused the key ({status})"
+    elif status >= 500:
+        kind, verdict = "task_app_error", f"the Task App failed ({status})"
+    else:
+        kind, verdict = "task_app_error", f"the Task App refused the request ({status})"
+    return TaskAppFailure(kind, f"{verdict}: {excerpt}", status, verdict)
 
 
 class TaskAppClient:
@@ -118,7 +119,9 @@ class TaskAppClient:
             return response.json()
         except ValueError:
             raise TaskAppFailure(
-                "task_app_invalid_response", f"{path} did not answer JSON: {response.text[:200]}"
+                "task_app_invalid_response",
+                f"{path} did not answer JSON: {response.text[:200]}",
+                verdict=f"{path} did not answer JSON",
             ) from None
 
     async def rollout(

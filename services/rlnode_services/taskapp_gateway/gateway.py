@@ -18,6 +18,7 @@ from rlnode.taskapp.contract import RolloutRequest
 from rlnode_services.taskapp_gateway.client import TaskAppClient, TaskAppFailure
 from rlnode_services.taskapp_gateway.keys import KeyProvider, KeyUnavailable
 from rlnode_services.taskapp_gateway.managed import ManagedSpec, ManagedTaskApp
+from rlnode_services.taskapp_gateway.outbound import UrlRefused, check_url
 from rlnode_services.taskapp_gateway.sandbox import (
     Limits,
     Sandbox,
@@ -69,7 +70,22 @@ class Gateway:
 
     # -- registry ----------------------------------------------------------------------
 
-    def register(self, org_id: str, body: RegisterTaskApp) -> TaskAppRecord:
+    async def register(self, org_id: str, body: RegisterTaskApp) -> TaskAppRecord:
+        if body.url is not None:
+            try:
+                await check_url(body.url, self._allowed_addresses)
+            except UrlRefused as e:
+                raise GatewayError(str(e)) from None
+        record = await asyncio.to_thread(self._register, org_id, body)
+        if record.kind == "managed":
+            self._managed(record).start()
+        return record
+
+    @property
+    def _allowed_addresses(self) -> frozenset[str]:
+        return frozenset(self.settings.allow_urls_to)
+
+    def _register(self, org_id: str, body: RegisterTaskApp) -> TaskAppRecord:
         limits = self._check_limits(body.limits or Limits())
         record = TaskAppRecord(
             org_id=org_id,
@@ -94,8 +110,6 @@ class Gateway:
                 f"org {org_id!r} already has a Task App named {body.name!r}; remove it first (rlnode taskapp rm)",
                 409,
             ) from None
-        if record.kind == "managed":
-            self._managed(record).start()
         return record
 
     def list(self, org_id: str) -> list[TaskAppRecord]:
@@ -224,6 +238,10 @@ class Gateway:
         if record.kind == "managed":
             return await self._managed(record).ready(self.settings.start_timeout_s)
         assert record.url is not None
+        try:
+            await check_url(record.url, self._allowed_addresses)
+        except UrlRefused as e:
+            raise TaskAppFailure("task_app_unreachable", str(e)) from None
         return record.url, await self.keys.get(record.org_id, record.secret, job_id=job_id)
 
     # -- verify ------------------------------------------------------------------------
@@ -235,25 +253,25 @@ class Gateway:
         try:
             url, key = await self._target(record)
         except (TaskAppFailure, KeyUnavailable) as e:
-            message = e.message
+            message = e.verdict if isinstance(e, TaskAppFailure) else e.message
             failed = Check(ok=False, detail=message)
             return VerifyReport(
                 ok=False, healthy=failed, accepts_key=failed, refuses_wrong_key=failed
             )
         healthy = await self._check(self.client.get_json(url, "/health", key), "answers /health")
-        info = None
         try:
             info = await self.client.get_json(url, "/info", key)
             accepts = Check(ok=isinstance(info, dict), detail="accepts the key on /info")
         except TaskAppFailure as e:
-            accepts = Check(ok=False, detail=e.message)
+            accepts = Check(ok=False, detail=e.verdict)
         refuses = await self._refuses_wrong_key(url, key)
+        # A verdict only: what the address answered stays here (the gateway must not be a
+        # way to read what an address on its network says).
         return VerifyReport(
             ok=healthy.ok and accepts.ok and refuses.ok,
             healthy=healthy,
             accepts_key=accepts,
             refuses_wrong_key=refuses,
-            info=info if isinstance(info, dict) else None,
         )
 
     @staticmethod
@@ -261,7 +279,7 @@ class Gateway:
         try:
             document = await call
         except TaskAppFailure as e:
-            return Check(ok=False, detail=e.message)
+            return Check(ok=False, detail=e.verdict)
         if isinstance(document, dict) and document.get("healthy") is False:
             return Check(ok=False, detail="answers /health with healthy: false")
         return Check(ok=True, detail=what)
@@ -274,7 +292,7 @@ class Gateway:
             try:
                 response, _ = await self.client.request("GET", url + "/health", sent, 10.0)
             except TaskAppFailure as e:
-                return Check(ok=False, detail=e.message)
+                return Check(ok=False, detail=e.verdict)
             if response.status not in (400, 401, 403):
                 return Check(
                     ok=False,

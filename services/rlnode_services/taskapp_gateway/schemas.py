@@ -108,7 +108,6 @@ class VerifyReport(BaseModel):
     healthy: Check
     accepts_key: Check
     refuses_wrong_key: Check
-    info: dict[str, Any] | None = None
 
 
 class RunRollout(Strict):

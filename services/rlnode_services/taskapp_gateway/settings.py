@@ -74,6 +74,11 @@ class GatewaySettings(VaultClientSettings):
     )
 
     # Calls to Task Apps
+    allow_urls_to: list[Literal["loopback", "link-local", "private"]] = Field(
+        default_factory=list,
+        description="Kinds of non-public address an external Task App's URL may resolve to "
+        '(JSON list, e.g. ["loopback"]; rlnode up allows loopback). Empty: public addresses only.',
+    )
     rollout_timeout_s: float = Field(300.0, gt=0, description="Default when a request names none.")
     connect_timeout_s: float = Field(5.0, gt=0, description="To connect to a Task App.")
     connect_retries: int = Field(3, ge=0, description="Retries on connection errors only.")
