@@ -59,6 +59,11 @@ class Stack:
     operator_token: str
     processes: list[ServiceProcess] = field(default_factory=list)
 
+    @property
+    def checkpoint_store(self) -> Path:
+        """The store the stack's services share (RLNODE_CHECKPOINT_DIR)."""
+        return self.directory / "checkpoints"
+
     def generator(self, name: str, kafka_bootstrap: str, **env: str) -> ServiceProcess:
         process = ServiceProcess(
             SERVICES_BY_NAME["rollout-generator"],
@@ -74,6 +79,7 @@ class Stack:
                 "GENERATOR_GENERATOR_ID": name,
                 "GENERATOR_MAX_WAIT_MS": "2",
                 "RLNODE_DATA_DIR": str(self.directory / f"generator-{name}"),
+                "RLNODE_CHECKPOINT_DIR": str(self.checkpoint_store),
                 **env,
             },
         ).start()

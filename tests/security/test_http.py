@@ -5,6 +5,7 @@ and data files other users of the machine could read."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import stat
@@ -141,3 +142,19 @@ def test_data_files_are_readable_by_the_node_alone(attacked: AttackedNode) -> No
 
 def _bearer(token: str) -> dict[str, str]:
     return {"Authorization": f"Bearer {token}"}
+
+
+async def test_job_events_over_http_are_the_callers_orgs_only(attacked: AttackedNode) -> None:
+    url = f"{attacked.url('checkpoint-server')}/v1/jobs/{attacked.victim_job}/events"
+    async with httpx.AsyncClient(timeout=120) as http:
+        refused = await http.get(url, headers=_bearer(attacked.attacker.token))
+        assert refused.status_code == 404
+        events = []
+        async with http.stream("GET", url, headers=_bearer(attacked.victim.token)) as stream:
+            assert stream.headers["content-type"].startswith("text/event-stream")
+            async for line in stream.aiter_lines():
+                if line.startswith("data: "):
+                    events.append(json.loads(line.removeprefix("data: ")))
+    kinds = [e["type"] for e in events]
+    assert kinds[0] == "job.accepted" and kinds[-1] == "job.completed", kinds
+    assert {e["org_id"] for e in events} == {attacked.victim.org_id}

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlnode.bus import Bus
+from rlnode.bus.reader import TopicReader
 from rlnode.bus.settings import KafkaSettings
 from rlnode.bus.signing import RecordRefused, RecordVerifier
 from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, ends_the_job, topics
@@ -129,40 +130,17 @@ class JobsClient:
         idle_timeout_s: float | None = None,
         wait_first_s: float | None = None,
     ) -> AsyncIterator[JobEvent]:
-        """The job's events from its first, in order. With `follow`, waits for more until the
-        job ends; without, stops at the end of what the topic holds now. TimeoutError when
-        no event of the job comes within `wait_first_s` of the start (a wrong id, or no
-        learner), or none for `idle_timeout_s` at any point."""
-        # A job's events all sit in the partition its id is keyed to: read only that one.
-        async with self._bus.reader(topics.JOB_EVENTS, key=job_id) as reader:
-            accepted = False
-            started = last_news = time.monotonic()
-            seen = False
-            while True:
-                for record in await reader.fetch():
-                    event = _job_event(record.value)
-                    if event is None or event.job_id != job_id:
-                        continue
-                    if not await self._from_a_service(record, event):
-                        continue
-                    last_news, seen = time.monotonic(), True
-                    yield event
-                    accepted = accepted or event.type is JobEventType.ACCEPTED
-                    if ends_the_job(event, accepted):
-                        return
-                if not follow and reader.caught_up.is_set():
-                    return
-                if (
-                    not seen
-                    and wait_first_s is not None
-                    and time.monotonic() - started > wait_first_s
-                ):
-                    raise TimeoutError(f"no event of job {job_id} within {wait_first_s:g}s")
-                if idle_timeout_s is not None and time.monotonic() - last_news > idle_timeout_s:
-                    raise TimeoutError(
-                        f"no event of job {job_id} for {idle_timeout_s:g}s; is a learner "
-                        "running (rlnode status)?"
-                    )
+        """The job's events (see `job_events`)."""
+        async for event in job_events(
+            self.kafka,
+            self._verifier,
+            job_id,
+            service=self._bus.service,
+            follow=follow,
+            idle_timeout_s=idle_timeout_s,
+            wait_first_s=wait_first_s,
+        ):
+            yield event
 
     async def wait(self, job_id: str, idle_timeout_s: float | None = None) -> JobEvent:
         """Until the job ends; its last event if it completed, else JobError saying why."""
@@ -175,16 +153,62 @@ class JobsClient:
             raise JobError(f"job {job_id} {kind.removeprefix('job.')}: {reason}", last)
         return last
 
-    async def _from_a_service(self, record: ConsumerRecord, event: JobEvent) -> bool:
-        try:
-            producer = await self._verifier.producer(record)
-        except RecordRefused as e:
-            log.warning("skipped an event of job %s: %s", event.job_id, e.reason)
-            return False
-        if not topics.may_produce(producer, topics.JOB_EVENTS, event):
-            log.warning("skipped a %s of job %s from %s", event.type.value, event.job_id, producer)
-            return False
-        return True
+
+async def job_events(
+    kafka: KafkaSettings,
+    verifier: RecordVerifier,
+    job_id: str,
+    *,
+    service: str,
+    follow: bool = True,
+    idle_timeout_s: float | None = None,
+    wait_first_s: float | None = None,
+) -> AsyncIterator[JobEvent]:
+    """The job's events from its first, in order, each from a service that may produce it
+    (forged ones are skipped). With `follow`, waits for more until the job ends; without,
+    stops at the end of what the topic holds now. TimeoutError when no event of the job
+    comes within `wait_first_s` of the start (a wrong id, or no learner), or none for
+    `idle_timeout_s` at any point."""
+    # A job's events all sit in the partition its id is keyed to: read only that one.
+    async with TopicReader(kafka, topics.JOB_EVENTS, service=service, key=job_id) as reader:
+        accepted = False
+        started = last_news = time.monotonic()
+        seen = False
+        while True:
+            for record in await reader.fetch():
+                event = _job_event(record.value)
+                if event is None or event.job_id != job_id:
+                    continue
+                if not await _from_a_service(verifier, record, event):
+                    continue
+                last_news, seen = time.monotonic(), True
+                yield event
+                accepted = accepted or event.type is JobEventType.ACCEPTED
+                if ends_the_job(event, accepted):
+                    return
+            if not follow and reader.caught_up.is_set():
+                return
+            if not seen and wait_first_s is not None and time.monotonic() - started > wait_first_s:
+                raise TimeoutError(f"no event of job {job_id} within {wait_first_s:g}s")
+            if idle_timeout_s is not None and time.monotonic() - last_news > idle_timeout_s:
+                raise TimeoutError(
+                    f"no event of job {job_id} for {idle_timeout_s:g}s; is a learner "
+                    "running (rlnode status)?"
+                )
+
+
+async def _from_a_service(
+    verifier: RecordVerifier, record: ConsumerRecord, event: JobEvent
+) -> bool:
+    try:
+        producer = await verifier.producer(record)
+    except RecordRefused as e:
+        log.warning("skipped an event of job %s: %s", event.job_id, e.reason)
+        return False
+    if not topics.may_produce(producer, topics.JOB_EVENTS, event):
+        log.warning("skipped a %s of job %s from %s", event.type.value, event.job_id, producer)
+        return False
+    return True
 
 
 def _job_event(raw: bytes) -> JobEvent | None:

@@ -18,6 +18,7 @@ from rlnode.service.auth import VaultTokenVerifier
 from rlnode.service.db import create_tables, engine_for
 from rlnode.service.http import Operator, install_error_handlers
 from rlnode.service.openai_api import error_body
+from rlnode_services.checkpoint_server.events import event_routes
 from rlnode_services.checkpoint_server.index import Indexer
 from rlnode_services.checkpoint_server.inference import inference_routes
 from rlnode_services.checkpoint_server.listings import listing_routes
@@ -55,6 +56,8 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
         )
 
     app.include_router(listing_routes(db, root, checkpoints))
+    assert bus.verifier is not None
+    app.include_router(event_routes(db, settings.kafka, bus.verifier))
     app.include_router(inference_routes(settings, checkpoints, cache))
 
     @app.get("/v1/checkpoint-server", tags=["ops"])
