@@ -43,10 +43,7 @@ def node(tmp_path_factory, kafka_broker):
         GENERATOR_MAX_BATCH_SIZE="64",
     )
     generator.wait_healthy()
-    learner_token = stack.vault.service_token(
-        ["taskapps:read", "secrets:read", "records:sign"], service="learner"
-    )
-    yield stack, model, learner_token, directory
+    yield stack, model, stack.learner_token(), directory
     stack.stop()
 
 

@@ -20,9 +20,10 @@ import torch
 from rlnode.examples import example_job
 from rlnode.messages import topics
 from rlnode.models.build import init_tiny_model
-from rlnode.node.local import LocalNode, NodeOptions
+from rlnode.node.local import LocalNode
 from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
 from rlnode.testing import run_rlnode, unique_id
+from tests.integration.stack import node_options
 
 STEPS = 4
 
@@ -30,24 +31,13 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def node(tmp_path_factory, kafka_broker):
     directory = tmp_path_factory.mktemp("run-flow")
-    # Groups of this module's own: a new group reads its topics from the start, and must
-    # not take over other modules' job requests.
     prefix = unique_id("flow")
-    options = NodeOptions(
-        data_dir=directory / "node",
-        kafka_bootstrap=kafka_broker.bootstrap_servers,
-        env={
-            "learner": {
-                "LEARNER_GROUP_ID": f"{prefix}-learner",
-                "LEARNER_TRAJECTORY_GROUP_ID": f"{prefix}-trajectories",
-            },
-            "rollout-generator": {
-                "GENERATOR_WORK_GROUP": f"{prefix}-work",
-                "GENERATOR_CONCURRENCY": "64",
-                "GENERATOR_MAX_BATCH_SIZE": "64",
-            },
-            "checkpoint-server": {"CHECKPOINT_SERVER_GROUP_ID": f"{prefix}-index"},
-        },
+    options = node_options(
+        directory / "node",
+        kafka_broker.bootstrap_servers,
+        prefix,
+        GENERATOR_CONCURRENCY="64",
+        GENERATOR_MAX_BATCH_SIZE="64",
     )
     with LocalNode(options) as running:
         org = running.create_org(unique_id("org"), {"ENVIRONMENT_API_KEY": "tk-" + prefix})

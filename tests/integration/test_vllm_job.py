@@ -42,8 +42,7 @@ async def node(tmp_path_factory, kafka_broker):
         **VLLM_ON_THE_CPU,
     )
     generator.wait_healthy()
-    learner_token = stack.vault.service_token(["taskapps:read", "secrets:read"], service="learner")
-    yield stack, model, learner_token, directory
+    yield stack, model, stack.learner_token(), directory
     stack.stop()
 
 

@@ -12,8 +12,9 @@ import pytest
 
 from rlnode.examples import example_job
 from rlnode.models.build import init_tiny_model
-from rlnode.node.local import LocalNode, NodeOptions, Org
+from rlnode.node.local import LocalNode, Org
 from rlnode.testing import unique_id
+from tests.integration.stack import node_options
 
 VICTIM_KEY = "tk-victim-" + "5" * 24
 
@@ -36,19 +37,7 @@ def attacked(tmp_path_factory, kafka_broker) -> Iterator[AttackedNode]:
     import asyncio
 
     directory = tmp_path_factory.mktemp("attacked")
-    prefix = unique_id("sec")
-    options = NodeOptions(
-        data_dir=directory / "node",
-        kafka_bootstrap=kafka_broker.bootstrap_servers,
-        env={
-            "learner": {
-                "LEARNER_GROUP_ID": f"{prefix}-learner",
-                "LEARNER_TRAJECTORY_GROUP_ID": f"{prefix}-trajectories",
-            },
-            "rollout-generator": {"GENERATOR_WORK_GROUP": f"{prefix}-work"},
-            "checkpoint-server": {"CHECKPOINT_SERVER_GROUP_ID": f"{prefix}-index"},
-        },
-    )
+    options = node_options(directory / "node", kafka_broker.bootstrap_servers, unique_id("sec"))
     with LocalNode(options) as node:
         attacker = node.create_org(unique_id("attacker"), {"ENVIRONMENT_API_KEY": "tk-attacker"})
         victim = node.create_org(unique_id("victim"), {"ENVIRONMENT_API_KEY": VICTIM_KEY})

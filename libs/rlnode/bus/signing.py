@@ -30,7 +30,7 @@ import orjson
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
-from rlnode.service.auth import LEEWAY_S, VaultTokenVerifier
+from rlnode.service.auth import LEEWAY_S, AuthError, VaultTokenVerifier
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
@@ -153,9 +153,19 @@ class RecordVerifier:
         self._certificates: dict[bytes, Certificate] = {}
 
     async def producer(self, record: ConsumerRecord) -> str:
-        """The name of the service that signed `record`; RecordRefused if none did."""
-        if self.tokens.needs_refresh():
-            await asyncio.to_thread(self.tokens.refresh)
+        """The name of the service that signed `record`; RecordRefused if none did. While the
+        vault cannot be reached for its key or revocations, waits (the record is not at
+        fault, and is neither taken nor refused meanwhile)."""
+        delay = 0.5
+        while self.tokens.needs_refresh():
+            try:
+                await asyncio.to_thread(self.tokens.refresh)
+            except AuthError as e:
+                log.error(
+                    "cannot check record signatures (%s); retrying in %.1fs", e.message, delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
         return self.producer_now(record)
 
     def producer_now(self, record: ConsumerRecord) -> str:
