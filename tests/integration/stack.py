@@ -12,7 +12,6 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from rlnode.bus.localbroker import free_port
 from rlnode.bus.signing import RecordSigner
 from rlnode.messages import topics
-from rlnode.node.local import NodeOptions
 from rlnode.node.processes import ServiceProcess
 from rlnode.service.registry import SERVICES_BY_NAME
 from rlnode.testing import unique_id
@@ -25,23 +24,6 @@ VLLM_ON_THE_CPU = {
     "GENERATOR_DTYPE": "float32",
     "GENERATOR_CPU_KV_CACHE_MIB": "256",
 }
-
-
-def node_options(data_dir: Path, bootstrap: str, prefix: str, **generator_env: str) -> NodeOptions:
-    """A node on the session's broker with consumer groups of its own: a new group reads its
-    topics from the start, and must not take over other modules' job requests."""
-    return NodeOptions(
-        data_dir=data_dir,
-        kafka_bootstrap=bootstrap,
-        env={
-            "learner": {
-                "LEARNER_GROUP_ID": f"{prefix}-learner",
-                "LEARNER_TRAJECTORY_GROUP_ID": f"{prefix}-trajectories",
-            },
-            "rollout-generator": {"GENERATOR_WORK_GROUP": f"{prefix}-work", **generator_env},
-            "checkpoint-server": {"CHECKPOINT_SERVER_GROUP_ID": f"{prefix}-index"},
-        },
-    )
 
 
 async def work_group_at_the_end(bootstrap: str) -> str:

@@ -269,6 +269,42 @@ async def test_committed_offsets_survive_a_consumer_restart(make_bus) -> None:
     assert await consume_until(2) == [3, 4]
 
 
+async def test_a_consuming_loop_that_dies_is_reported_and_started_again(make_bus) -> None:
+    """A fault in the loop itself (here the offset ledger refuses once, as a locked database
+    or a refused commit would) is no silent end of consumption: the bus reports it while the
+    loop is down, starts it again, and every record is still handled."""
+    job_id, group = unique_id("job"), unique_id("g")
+    bus = make_bus("fragile")
+    got: asyncio.Queue = asyncio.Queue()
+    subscription = bus.subscribe(topics.JOB_EVENTS, _queue_handler(got), group_id=group)
+    track = subscription.ledger.track
+    failures_seen: list[dict[str, str]] = []
+
+    def fail_once(*args) -> None:
+        subscription.ledger.track = track  # type: ignore[method-assign]
+        raise RuntimeError("the ledger refused")
+
+    subscription.ledger.track = fail_once  # type: ignore[method-assign]
+    await bus.start()
+    await subscription.wait_assigned()
+    producer = make_bus("producer")
+    await producer.start()
+    await _publish_seqs(producer, job_id, range(4))
+    while not failures_seen:
+        if bus.failures():
+            failures_seen.append(bus.failures())
+        await asyncio.sleep(0.01)
+    assert failures_seen[0] == {
+        f"consuming {topics.JOB_EVENTS}": "RuntimeError: the ledger refused"
+    }
+    seqs = []
+    while len(seqs) < 4:
+        event, _ = await next_matching(got, lambda item: item[0].job_id == job_id)
+        seqs.append(event.data["seq"])
+    assert sorted(set(seqs)) == [0, 1, 2, 3]
+    assert subscription.restarts == 1 and bus.failures() == {}
+
+
 async def test_only_the_settled_prefix_is_committed(make_bus) -> None:
     """commit="when_settled": a record whose effect is not durable yet holds back the ones
     after it; a consumer that restarts reads again from the first unsettled one."""

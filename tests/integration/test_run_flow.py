@@ -20,27 +20,27 @@ import torch
 from rlnode.examples import example_job
 from rlnode.messages import topics
 from rlnode.models.build import init_tiny_model
-from rlnode.node.local import LocalNode
+from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
 from rlnode.testing import run_rlnode, unique_id
-from tests.integration.stack import node_options
 
 STEPS = 4
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory, kafka_broker):
+def node(tmp_path_factory):
     directory = tmp_path_factory.mktemp("run-flow")
-    prefix = unique_id("flow")
-    options = node_options(
-        directory / "node",
-        kafka_broker.bootstrap_servers,
-        prefix,
-        GENERATOR_CONCURRENCY="64",
-        GENERATOR_MAX_BATCH_SIZE="64",
+    # A broker of its own (the node's embedded one): the session's holds every earlier
+    # module's records, which a node's new consumer groups would read and dead-letter first
+    # (signed by other tests' vaults).
+    options = NodeOptions(
+        data_dir=directory / "node",
+        env={
+            "rollout-generator": {"GENERATOR_CONCURRENCY": "64", "GENERATOR_MAX_BATCH_SIZE": "64"}
+        },
     )
     with LocalNode(options) as running:
-        org = running.create_org(unique_id("org"), {"ENVIRONMENT_API_KEY": "tk-" + prefix})
+        org = running.create_org(unique_id("org"), {"ENVIRONMENT_API_KEY": unique_id("tk")})
         assert running.register_example_task_app(org, "copy", "copy_task")["ok"]
         model = init_tiny_model(directory / "tiny", seed=0)
         # The copy-task job every test and the demo run, as a file a user would pass.

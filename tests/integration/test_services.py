@@ -59,3 +59,26 @@ def test_a_taken_port_is_a_failure_not_a_hang() -> None:
         )
     assert result.returncode != 0
     assert b"address already in use" in result.stderr.lower()
+
+
+def test_health_answers_503_naming_background_work_that_is_down() -> None:
+    import httpx
+
+    from rlnode.service.app import create_service_app
+    from rlnode.service.settings import ServiceSettings
+    from rlnode.testing import ThreadedServer
+
+    down: dict[str, str] = {}
+    app = create_service_app(GATEWAY, ServiceSettings(port=0))
+    app.state.failures.append(lambda: dict(down))
+    with ThreadedServer(app) as server:
+        assert httpx.get(f"{server.url}/health").status_code == 200
+        down["consuming rlnode.trajectories"] = "RuntimeError: database is locked"
+        failing = httpx.get(f"{server.url}/health")
+        assert failing.status_code == 503
+        assert failing.json()["status"] == "failing"
+        assert failing.json()["failing"] == {
+            "consuming rlnode.trajectories": "RuntimeError: database is locked"
+        }
+        down.clear()
+        assert httpx.get(f"{server.url}/health").json()["status"] == "ok"

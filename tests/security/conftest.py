@@ -12,9 +12,8 @@ import pytest
 
 from rlnode.examples import example_job
 from rlnode.models.build import init_tiny_model
-from rlnode.node.local import LocalNode, Org
+from rlnode.node.local import LocalNode, NodeOptions, Org
 from rlnode.testing import unique_id
-from tests.integration.stack import node_options
 
 VICTIM_KEY = "tk-victim-" + "5" * 24
 
@@ -33,12 +32,12 @@ class AttackedNode:
 
 
 @pytest.fixture(scope="session")
-def attacked(tmp_path_factory, kafka_broker) -> Iterator[AttackedNode]:
+def attacked(tmp_path_factory) -> Iterator[AttackedNode]:
     import asyncio
 
     directory = tmp_path_factory.mktemp("attacked")
-    options = node_options(directory / "node", kafka_broker.bootstrap_servers, unique_id("sec"))
-    with LocalNode(options) as node:
+    # A broker of its own, as a node has: nothing of other tests' on its topics.
+    with LocalNode(NodeOptions(data_dir=directory / "node")) as node:
         attacker = node.create_org(unique_id("attacker"), {"ENVIRONMENT_API_KEY": "tk-attacker"})
         victim = node.create_org(unique_id("victim"), {"ENVIRONMENT_API_KEY": VICTIM_KEY})
         assert node.register_example_task_app(victim, "copy", "copy_task")["ok"]

@@ -99,3 +99,17 @@ def test_a_revoked_partitions_tags_are_dropped() -> None:
     assert asked == ["a"] and ledger.committable() == {P1: 2}
     ledger.track(P0, 1)  # read again after the partition came back: not settled by the old tag
     assert ledger.committable() == {} and ledger.open == 1
+
+
+def test_records_untracked_from_an_offset_stop_holding_the_position_back() -> None:
+    ledger: OffsetLedger[str] = OffsetLedger()
+    for offset in range(5):
+        ledger.track(P0, offset)
+    ledger.tag(P0, 3, "step")
+    ledger.settle(P0, 0)
+    ledger.untrack_from(P0, 2)  # 2.. go back to be read again
+    assert ledger.open == 1  # 1 is still out
+    ledger.settle(P0, 1)
+    assert ledger.committable() == {P0: 2}
+    ledger.settle_where(lambda _tag: True)  # the dropped record's tag is gone too
+    assert ledger.committable() == {}

@@ -98,6 +98,13 @@ class Bus:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
+    def failures(self) -> dict[str, str]:
+        """{"consuming <topic>": why} for each subscription whose loop is down (being started
+        again): a service's /health reports them (`app.state.failures`)."""
+        return {
+            f"consuming {s.topic}": s.failure for s in self.subscriptions if s.failure is not None
+        }
+
     async def ensure_topics(
         self, names: Iterable[str] = topics.ALL_TOPICS, partitions: int | None = None
     ) -> list[str]:

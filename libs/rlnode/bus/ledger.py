@@ -69,6 +69,18 @@ class OffsetLedger(Generic[Tag]):
             positions[partition] = last + 1
         return positions
 
+    def untrack_from(self, partition: TopicPartition, offset: int) -> None:
+        """Records from `offset` on were not handed out after all (they will be read again):
+        they no longer hold back the commit position, and earlier ones still do."""
+        offsets = self._open.get(partition, {})
+        for dropped in [o for o in offsets if o >= offset]:
+            tag = offsets.pop(dropped)
+            self._settled[partition].discard(dropped)
+            if tag is not None and tag in self._by_tag:
+                self._by_tag[tag] = [r for r in self._by_tag[tag] if r != (partition, dropped)]
+                if not self._by_tag[tag]:
+                    del self._by_tag[tag]
+
     def forget(self, partitions: Iterable[TopicPartition]) -> None:
         forgotten = set(partitions)
         for partition in forgotten:

@@ -42,6 +42,11 @@ class TopicReader:
         self._ends: dict[TopicPartition, int] = {}
 
     @property
+    def consumer(self) -> AIOKafkaConsumer | None:
+        """The consumer it reads with (to seek back to records it must read again)."""
+        return self._consumer
+
+    @property
     def partitions(self) -> list[int]:
         return sorted(tp.partition for tp in self._ends)
 

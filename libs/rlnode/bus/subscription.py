@@ -43,6 +43,7 @@ log = logging.getLogger("rlnode.bus")
 M = TypeVar("M", bound=BaseModel)
 CommitPolicy = Literal["on_return", "when_settled"]
 SEQUENTIAL_FETCH = 500  # records one fetch may bring when they are handled one at a time
+MAX_DEAD_LETTERING = 1000  # dead letters awaiting the broker's acknowledgement at once
 Handler = Callable[[M, "Delivery"], Awaitable[Any]]
 
 
@@ -104,7 +105,14 @@ class Subscription(Generic[M]):
         self._reader: TopicReader | None = None
         self._loop: asyncio.Task | None = None
         self._in_flight: set[asyncio.Task] = set()
+        # Dead letters on their way to the broker: published in the background (so a flood
+        # of bad records costs one batch of publishes, not a round trip each), each record
+        # settled once its dead letter is acknowledged.
+        self._dead_lettering: set[asyncio.Task] = set()
         self._stopping = False
+        # Why the consuming loop died, while it waits to be started again (None: running).
+        self.failure: str | None = None
+        self.restarts = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -133,7 +141,7 @@ class Subscription(Generic[M]):
             # (seconds on a busy group), and a service would not answer its health check.
             consumer.subscribe([self.topic], listener=_Rebalance(self))
             self._consumer = consumer
-        self._loop = asyncio.create_task(self._run(), name=f"consume {self.topic}")
+        self._loop = asyncio.create_task(self._supervise(), name=f"consume {self.topic}")
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Stop fetching; let records in flight finish for up to `drain_timeout_s`; commit
@@ -143,8 +151,9 @@ class Subscription(Generic[M]):
             self._loop.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._loop
-        if self._in_flight:
-            _done, pending = await asyncio.wait(set(self._in_flight), timeout=drain_timeout_s)
+        if self._in_flight or self._dead_lettering:
+            waiting = self._in_flight | self._dead_lettering
+            _done, pending = await asyncio.wait(waiting, timeout=drain_timeout_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -194,6 +203,29 @@ class Subscription(Generic[M]):
 
     # -- the loop ----------------------------------------------------------------------
 
+    async def _supervise(self) -> None:
+        """Run the loop; if it dies (a bug, a database that refused, a commit the broker
+        would not take), say why in the log and in `failure` (the service's /health answers
+        503 naming it) and start it again. Records it had taken and not settled stay
+        uncommitted: a group reads them again."""
+        delay = 0.5
+        while not self._stopping:
+            try:
+                await self._run()
+                return
+            except Exception as e:
+                self.failure = f"{type(e).__name__}: {e}"
+                self.restarts += 1
+                log.exception(
+                    "%s: the loop consuming %s died; starting it again in %.1fs",
+                    self.bus.service,
+                    self.topic,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 30.0)
+                self.failure = None
+
     async def _run(self) -> None:
         while not self._stopping:
             free = self.concurrency - len(self._in_flight)
@@ -203,23 +235,42 @@ class Subscription(Generic[M]):
                 continue
             # Handled one by one, a fetch may bring many (a commit per fetch, not per record).
             records = await self._fetch(free if self.concurrency > 1 else SEQUENTIAL_FETCH)
-            for record in records:
+            for index, record in enumerate(records):
                 if self._stopping:
                     break  # fetched during shutdown: not taken, so read again by the group
-                if self._consumer is not None:
-                    self.ledger.track(TopicPartition(record.topic, record.partition), record.offset)
-                if self.concurrency == 1:
-                    await self._handle(record)
-                else:
-                    task = asyncio.create_task(self._handle(record))
-                    self._in_flight.add(task)
-                    task.add_done_callback(self._in_flight.discard)
+                try:
+                    if self._consumer is not None:
+                        partition = TopicPartition(record.topic, record.partition)
+                        self.ledger.track(partition, record.offset)
+                    if self.concurrency == 1:
+                        await self._handle(record)
+                    else:
+                        task = asyncio.create_task(self._handle(record))
+                        self._in_flight.add(task)
+                        task.add_done_callback(self._in_flight.discard)
+                except Exception:
+                    # The loop dies here: what it fetched and did not hand out is read again
+                    # when it starts again, not skipped.
+                    self._rewind(records[index:])
+                    raise
             reader = self._reader
             if reader is not None and reader.caught_up.is_set() and not self._caught_up.is_set():
                 if self._in_flight:
                     await asyncio.wait(set(self._in_flight))
                 self._caught_up.set()
             await self._commit_quietly()
+
+    def _rewind(self, untaken: list[ConsumerRecord]) -> None:
+        consumer = self._consumer or (self._reader.consumer if self._reader else None)
+        if consumer is None:
+            return
+        first: dict[TopicPartition, int] = {}
+        for record in untaken:
+            partition = TopicPartition(record.topic, record.partition)
+            first[partition] = min(first.get(partition, record.offset), record.offset)
+        for partition, offset in first.items():
+            self.ledger.untrack_from(partition, offset)  # tracked again when read again
+            consumer.seek(partition, offset)
 
     async def _fetch(self, max_records: int) -> list[ConsumerRecord]:
         try:
@@ -308,10 +359,23 @@ class Subscription(Generic[M]):
             document=document,
         )
         log.warning("%s: dead-lettered %s[%s]@%s: %s", self.bus.service, *_where(record), reason)
-        if record.topic != topics.DEAD_LETTERS:  # never loop: a bad dead letter is only logged
-            event = dead_letters.event_for(letter, self.reject_event, self.bus.service)
-            await self._publish_until_acknowledged([letter] if event is None else [letter, event])
-        self.ledger.settle(TopicPartition(record.topic, record.partition), record.offset)
+        partition = TopicPartition(record.topic, record.partition)
+        if record.topic == topics.DEAD_LETTERS:  # never loop: a bad dead letter is only logged
+            self.ledger.settle(partition, record.offset)
+            return
+        event = dead_letters.event_for(letter, self.reject_event, self.bus.service)
+        messages: list[BaseModel] = [letter] if event is None else [letter, event]
+        while len(self._dead_lettering) >= MAX_DEAD_LETTERING:
+            await asyncio.wait(set(self._dead_lettering), return_when=asyncio.FIRST_COMPLETED)
+        task = asyncio.create_task(self._dead_letter(messages, partition, record.offset))
+        self._dead_lettering.add(task)
+        task.add_done_callback(self._dead_lettering.discard)
+
+    async def _dead_letter(
+        self, messages: list[BaseModel], partition: TopicPartition, offset: int
+    ) -> None:
+        await self._publish_until_acknowledged(messages)
+        self.ledger.settle(partition, offset)
 
     async def _publish_until_acknowledged(self, messages: list[BaseModel]) -> None:
         # Losing the dead letter is worse than waiting: the record is not settled until the

@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
+from fastapi.responses import JSONResponse
 from pydantic import ValidationError
 
 from rlnode import __version__
@@ -63,7 +64,9 @@ def create_service_app(
 ) -> FastAPI:
     """The app a service builds its routes on. Its health route answers while the process
     serves; services add their own checks to `app.state.health_checks` (name -> callable
-    returning True when healthy)."""
+    returning True when healthy: a failing one makes it "degraded"), and the background work
+    whose death must not go unnoticed to `app.state.failures` (callables returning
+    {what: why} for what is down: then /health answers 503 naming it)."""
     service = spec.name
     # No /docs or /redoc: every route but /health needs a token, and those pages fetch their
     # scripts from a CDN. /openapi.json stays: it is the API's shape, public in the repo.
@@ -79,18 +82,25 @@ def create_service_app(
     app.state.started_at = time.monotonic()
     health_checks: dict[str, Callable[[], bool]] = {}
     app.state.health_checks = health_checks
+    failures: list[Callable[[], dict[str, str]]] = []
+    app.state.failures = failures
 
     @app.get(spec.health_path, tags=["ops"], summary="Liveness and readiness of this service")
-    async def health() -> dict[str, Any]:
+    async def health() -> JSONResponse:
         checks = {name: bool(check()) for name, check in app.state.health_checks.items()}
-        return {
-            "status": "ok" if all(checks.values()) else "degraded",
+        failing = {what: why for report in app.state.failures for what, why in report().items()}
+        status = "failing" if failing else "ok" if all(checks.values()) else "degraded"
+        body = {
+            "status": status,
             "service": service,
             "version": __version__,
             "pid": os.getpid(),
             "uptime_s": round(time.monotonic() - app.state.started_at, 3),
             "checks": checks,
         }
+        if failing:
+            body["failing"] = failing
+        return JSONResponse(body, status_code=503 if failing else 200)
 
     return app
 

@@ -46,6 +46,7 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
         await cache.close()
 
     app = create_service_app(SERVICE, settings, lifespan=lifespan)
+    app.state.failures.append(bus.failures)
     app.state.verifier = VaultTokenVerifier(settings.vault_url)
     install_error_handlers(app)
 

@@ -38,6 +38,7 @@ def create_app(settings: LearnerSettings) -> FastAPI:
         await bus.stop()
 
     app = create_service_app(SERVICE, settings, lifespan=lifespan)
+    app.state.failures.append(bus.failures)
     app.state.verifier = verifier
     install_error_handlers(app)
     app.state.health_checks["service_token"] = lambda: settings.service_token is not None
