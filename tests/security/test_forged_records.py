@@ -20,7 +20,7 @@ from rlnode.messages import JobEvent, JobEventType, Trajectory, WeightVersion, t
 from rlnode.messages.codec import encode
 from rlnode.messages.examples import example_payloads
 from rlnode.messages.jobs import CheckpointSavedData, CompletedData
-from rlnode.sdk.checkpoints import CheckpointClient
+from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
 from rlnode.testing import unique_id
 from tests.security.conftest import AttackedNode
 
@@ -177,8 +177,17 @@ async def test_a_services_own_record_naming_another_orgs_files_is_refused(
     )
     async with Bus(node.kafka_settings(), service="learner", signer=learner) as bus:
         await bus.publish(pointing)
-    await asyncio.sleep(3)  # the index reads it (nothing to wait on: nothing should change)
     with CheckpointClient(node.url("checkpoint-server"), attacked.attacker.token) as client:
+        # The index has read the record once the job it names has a summary (made from the
+        # same event, after the checkpoint part).
+        deadline = asyncio.get_running_loop().time() + 60
+        while True:
+            try:
+                client.job(mine)
+                break
+            except CheckpointError:
+                assert asyncio.get_running_loop().time() < deadline, "the index never read it"
+                await asyncio.sleep(0.2)
         assert client.checkpoints(mine) == []
     async with httpx.AsyncClient(base_url=node.url("checkpoint-server"), timeout=30) as http:
         served = await http.post(
