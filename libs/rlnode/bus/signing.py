@@ -21,7 +21,6 @@ import asyncio
 import base64
 import logging
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +29,14 @@ import orjson
 from nacl.exceptions import BadSignatureError
 from nacl.signing import SigningKey, VerifyKey
 
-from rlnode.service.auth import LEEWAY_S, AuthError, VaultTokenVerifier
+from rlnode.service.auth import (
+    LEEWAY_S,
+    AuthError,
+    VaultTokenVerifier,
+    envelope_parts,
+    open_envelope,
+    sign_envelope,
+)
 
 if TYPE_CHECKING:
     from aiokafka.structs import ConsumerRecord
@@ -58,14 +64,6 @@ def record_digest(topic: str, key: bytes | None, value: bytes) -> bytes:
     return hasher.digest()
 
 
-def _b64(data: bytes) -> str:
-    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
-
-
-def _unb64(text: str) -> bytes:
-    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
-
-
 @dataclass(frozen=True)
 class Certificate:
     service: str
@@ -83,30 +81,26 @@ def issue_certificate(
     expires_at: int,
 ) -> str:
     """The vault's side: certify `public_key` as `service`'s record key."""
-    payload = orjson.dumps(
-        {
-            "svc": service,
-            "pub": _b64(public_key),
-            "tid": token_id,
-            "iat": int(time.time()),
-            "exp": expires_at,
-            "kid": key_id,
-        }
-    )
-    signed = f"{CERT_PREFIX}.{_b64(payload)}"
-    return f"{signed}.{_b64(vault_key.sign(signed.encode()).signature)}"
+    fields = {
+        "svc": service,
+        "pub": base64.b64encode(public_key).decode(),
+        "tid": token_id,
+        "iat": int(time.time()),
+        "exp": expires_at,
+        "kid": key_id,
+    }
+    return sign_envelope(vault_key, CERT_PREFIX, fields)
 
 
 def read_certificate(text: str, vault_key: VerifyKey) -> Certificate:
-    parts = text.split(".")
-    if len(parts) != 3 or parts[0] != CERT_PREFIX:
+    parts = envelope_parts(text, CERT_PREFIX)
+    if parts is None:
         raise RecordRefused("the producer's certificate is malformed")
     try:
-        vault_key.verify(f"{parts[0]}.{parts[1]}".encode(), _unb64(parts[2]))
-        data = orjson.loads(_unb64(parts[1]))
+        data = open_envelope(parts, vault_key)
         return Certificate(
             service=str(data["svc"]),
-            public_key=VerifyKey(_unb64(str(data["pub"]))),
+            public_key=VerifyKey(base64.b64decode(str(data["pub"]), validate=True)),
             token_id=str(data["tid"]),
             expires_at=int(data["exp"]),
         )
@@ -122,14 +116,12 @@ class RecordSigner:
         self._service_token = service_token
         self._key = SigningKey.generate()
         self._certificate: bytes | None = None
-        self.service = ""
 
     async def start(self) -> None:
         """Have the key certified (once per process)."""
         if self._certificate is None:
             answer = await asyncio.to_thread(self._certify)
             self._certificate = answer["certificate"].encode()
-            self.service = answer["service"]
 
     def _certify(self) -> dict:
         from rlnode.sdk.vault import VaultClient
@@ -169,7 +161,7 @@ class RecordVerifier:
         return self.producer_now(record)
 
     def producer_now(self, record: ConsumerRecord) -> str:
-        headers = dict(_headers(record.headers))
+        headers = dict(record.headers or ())
         certificate_bytes, signature = headers.get(CERT_HEADER), headers.get(SIG_HEADER)
         if certificate_bytes is None or signature is None:
             raise RecordRefused(
@@ -197,10 +189,6 @@ class RecordVerifier:
                 f"the signature does not match the record: not produced by {certificate.service!r} as it is"
             ) from None
         return certificate.service
-
-
-def _headers(headers: Sequence[tuple[str, bytes]] | None) -> Sequence[tuple[str, bytes]]:
-    return headers or ()
 
 
 def signing_for(settings: Any) -> dict[str, Any]:

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 import orjson
 from nacl.exceptions import BadSignatureError
@@ -90,9 +91,13 @@ class TokenClaims:
     key_id: str
     job_id: str | None = None  # job tokens: the one job they may start or cancel
 
+    @property
+    def node_wide_service(self) -> bool:
+        """A service token of no one org."""
+        return self.kind == "service" and self.org_id is None
+
     def allows_org(self, org_id: str) -> bool:
-        node_wide_service = self.kind == "service" and self.org_id is None
-        return node_wide_service or self.org_id == org_id
+        return self.node_wide_service or self.org_id == org_id
 
     @property
     def actor(self) -> str:
@@ -108,6 +113,25 @@ def _unb64(text: str) -> bytes:
     return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
 
 
+def sign_envelope(signing_key: SigningKey, prefix: str, fields: dict) -> str:
+    """``<prefix>.<payload>.<signature>``: `fields` as base64url JSON, signed with Ed25519
+    over ``<prefix>.<payload>``. The shape of tokens and of record-key certificates."""
+    signed_part = f"{prefix}.{_b64(orjson.dumps(fields))}"
+    return f"{signed_part}.{_b64(signing_key.sign(signed_part.encode()).signature)}"
+
+
+def envelope_parts(text: str, prefix: str) -> list[str] | None:
+    """The three parts of an envelope with this prefix, or None if `text` is not one."""
+    parts = text.split(".")
+    return parts if len(parts) == 3 and parts[0] == prefix else None
+
+
+def open_envelope(parts: list[str], verify_key: VerifyKey) -> Any:
+    """The signed payload; BadSignatureError, ValueError or JSONDecodeError if it is not."""
+    verify_key.verify(f"{parts[0]}.{parts[1]}".encode(), _unb64(parts[2]))
+    return orjson.loads(_unb64(parts[1]))
+
+
 def sign_token(signing_key: SigningKey, claims: TokenClaims) -> str:
     fields = {
         "jti": claims.token_id,
@@ -121,10 +145,7 @@ def sign_token(signing_key: SigningKey, claims: TokenClaims) -> str:
     }
     if claims.job_id is not None:
         fields["job"] = claims.job_id
-    payload = orjson.dumps(fields)
-    signed_part = f"{TOKEN_PREFIX}.{_b64(payload)}"
-    signature = signing_key.sign(signed_part.encode()).signature
-    return f"{signed_part}.{_b64(signature)}"
+    return sign_envelope(signing_key, TOKEN_PREFIX, fields)
 
 
 def read_unverified(token: str) -> dict:
@@ -163,12 +184,11 @@ class TokenVerifier:
     def verify(self, token: str | None) -> TokenClaims:
         if not token:
             raise AuthError(401, "no token: send 'Authorization: Bearer <rlnode token>'")
-        parts = token.split(".")
-        if len(parts) != 3 or parts[0] != TOKEN_PREFIX:
+        parts = envelope_parts(token, TOKEN_PREFIX)
+        if parts is None:
             raise AuthError(401, "not an rlnode token (expected rln1.<payload>.<signature>)")
         try:
-            self.verify_key.verify(f"{parts[0]}.{parts[1]}".encode(), _unb64(parts[2]))
-            data = orjson.loads(_unb64(parts[1]))
+            data = open_envelope(parts, self.verify_key)
             claims = TokenClaims(
                 token_id=str(data["jti"]),
                 kind=str(data["kind"]),
@@ -220,7 +240,7 @@ class TokenVerifier:
 def require_operator(claims: TokenClaims) -> TokenClaims:
     """A node-wide service token with node:ops: what the ops routes, which show every org's
     work, admit."""
-    if claims.kind != "service" or claims.org_id is not None or Scope.NODE_OPS not in claims.scopes:
+    if not claims.node_wide_service or Scope.NODE_OPS not in claims.scopes:
         raise AuthError(
             403, "this route is for the node's operators: use a service token with node:ops"
         )

@@ -10,15 +10,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from fastapi.responses import StreamingResponse
 from sqlalchemy.engine import Engine
-from sqlmodel import Session
 
 from rlnode.bus.settings import KafkaSettings
 from rlnode.bus.signing import RecordVerifier
 from rlnode.sdk.jobs import job_events
-from rlnode.service.auth import Scope
-from rlnode_services.checkpoint_server.access import Caller, need, org_of
-from rlnode_services.checkpoint_server.models import ModelProblem
-from rlnode_services.checkpoint_server.store import JobSummary
+from rlnode_services.checkpoint_server.access import Caller
+from rlnode_services.checkpoint_server.listings import job_summary
 
 
 def event_routes(db: Engine, kafka: KafkaSettings, verifier: RecordVerifier) -> APIRouter:
@@ -30,16 +27,7 @@ def event_routes(db: Engine, kafka: KafkaSettings, verifier: RecordVerifier) -> 
     ) -> StreamingResponse:
         """`text/event-stream`: one `event: <type>` / `data: <JobEvent JSON>` per event, from
         the job's first, until it ends (`follow`) or until those there now are sent."""
-        need(claims, Scope.JOBS_READ)
-        org_id = org_of(claims)
-        with Session(db) as s:
-            summary = s.get(JobSummary, job_id)
-        if summary is None or summary.org_id != org_id:
-            raise ModelProblem(
-                404,
-                f"no job {job_id!r} in your org (a job just started shows up with its first event)",
-                "not_found_error",
-            )
+        org_id = job_summary(db, claims, job_id).org_id
 
         async def stream() -> AsyncIterator[bytes]:
             async for event in job_events(

@@ -11,11 +11,25 @@ from fastapi.responses import FileResponse
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from rlnode.service.auth import Scope
+from rlnode.service.auth import Scope, TokenClaims
 from rlnode_services.checkpoint_server.access import Caller, need, org_of
 from rlnode_services.checkpoint_server.index import local_path, metrics_path
 from rlnode_services.checkpoint_server.models import Checkpoints, ModelProblem
 from rlnode_services.checkpoint_server.store import CheckpointRecord, JobSummary
+
+
+def job_summary(db: Engine, claims: TokenClaims, job_id: str) -> JobSummary:
+    """The caller's org's job (jobs:read), as its events tell; another org's is a 404."""
+    need(claims, Scope.JOBS_READ)
+    with Session(db) as s:
+        row = s.get(JobSummary, job_id)
+    if row is None or row.org_id != org_of(claims):
+        raise ModelProblem(
+            404,
+            f"no job {job_id!r} in your org (a job just started shows up with its first event)",
+            "not_found_error",
+        )
+    return row
 
 
 def listing_routes(db: Engine, root: Path, checkpoints: Checkpoints) -> APIRouter:
@@ -94,12 +108,9 @@ def listing_routes(db: Engine, root: Path, checkpoints: Checkpoints) -> APIRoute
 
     @router.get("/v1/jobs/{job_id}", tags=["jobs"])
     async def job(claims: Caller, job_id: str) -> dict[str, Any]:
-        need(claims, Scope.JOBS_READ)
+        row = job_summary(db, claims, job_id)
         with Session(db) as s:
-            row = s.get(JobSummary, job_id)
             ckpts = s.exec(select(CheckpointRecord).where(CheckpointRecord.job_id == job_id)).all()
-        if row is None or row.org_id != org_of(claims):
-            raise ModelProblem(404, f"no job {job_id!r} in your org", "not_found_error")
         return {**_summary(row), "checkpoints": sorted(c.step for c in ckpts)}
 
     @router.get("/v1/jobs/{job_id}/metrics", tags=["jobs"])

@@ -215,7 +215,7 @@ def create_app(settings: VaultSettings) -> FastAPI:
         service tokens with records:sign). It names the service as the token does, and
         lapses with the token: revoking the token revokes the certificate."""
         claims = who.claims
-        if claims is None or claims.kind != "service" or claims.org_id is not None:
+        if claims is None or not claims.node_wide_service:
             raise AuthError(403, "only a node-wide service token may certify a record key")
         vault.verifier.authorize_claims(claims, scopes=[Scope.RECORDS_SIGN])
         try:

@@ -13,7 +13,6 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, func, select
 
 from rlnode.messages import JobConfig
-from rlnode.service.stores import job_dir
 from rlnode_services.learner.settings import LearnerSettings
 from rlnode_services.learner.store import ACTIVE, JobRecord
 
@@ -99,7 +98,7 @@ def _check_local(
     settings: LearnerSettings, field: str, source: str, path: Path, org_id: str
 ) -> None:
     node = settings.node
-    own = [job_dir(store.resolve(), org_id, "") for store in node.stores]
+    own = [store.resolve() / org_id for store in node.stores]
     if any(path.is_relative_to(mine) for mine in own):
         return  # the org's own checkpoints: training on from one is fine
     private = [node.data_dir.resolve(), *(store.resolve() for store in node.stores)]

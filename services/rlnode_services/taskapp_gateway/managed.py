@@ -1,6 +1,7 @@
 """Managed Task Apps: the gateway starts the user's command in its sandbox (sandbox.py) on
-a free port with the org's key injected as ENVIRONMENT_API_KEY, checks its health, restarts it with backoff when it
-dies or stops answering, captures its output (with the key blanked out), and stops it.
+a free port with the org's key injected as ENVIRONMENT_API_KEY, checks its health,
+restarts it with backoff when it dies or stops answering, captures its output (with the key
+blanked out), and stops it.
 
 One asyncio task supervises each process; callers wait on `ready()`.
 """
