@@ -78,7 +78,10 @@ async def test_no_org_token_on_kafka_and_a_job_token_works_once(attacked: Attack
     assert "job requests carry a job token" in refused["message"]
 
     requests = await read_all(bootstrap, topics.JOB_REQUESTS)
-    victim_request = next(json.loads(v) for v in requests if attacked.victim_job.encode() in v)
+    # The victim's start request: by its job id (other requests may name that id elsewhere,
+    # e.g. a model.source under the victim's checkpoints).
+    parsed = [json.loads(v) for v in requests if attacked.victim_job.encode() in v]
+    victim_request = next(r for r in parsed if r.get("job_id") == attacked.victim_job)
     carried = read_unverified(victim_request["token"])
     assert carried["kind"] == "job" and carried["job"] == attacked.victim_job
     # Apart from the two records this test put there by hand, no org token on the topic.
