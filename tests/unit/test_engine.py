@@ -82,3 +82,20 @@ async def test_cuda_generation_matches_a_cuda_forward_pass(model_dir) -> None:
     for r in results:
         scored = engine.score_sync([prompt + r.completion_ids])[0][len(prompt) - 1 :]
         assert scored == pytest.approx(r.logprobs, abs=1e-4)
+
+
+async def test_a_scheduler_that_dies_fails_its_requests_says_so_and_starts_again(engine) -> None:
+    real = engine._run_batch
+
+    async def dies_once(batch) -> None:
+        engine._run_batch = real  # the restarted scheduler batches as before
+        raise RuntimeError("a bug in batching")
+
+    engine._run_batch = dies_once
+    engine._scheduler.first_delay_s = 0.3
+    with pytest.raises(EngineError, match="the scheduler failed: RuntimeError: a bug"):
+        await engine.generate(GenerationRequest(_prompt(engine), max_tokens=2))
+    assert engine.failures() == {"torch engine scheduler": "RuntimeError: a bug in batching"}
+    result = await engine.generate(GenerationRequest(_prompt(engine), max_tokens=2))
+    assert result.completion_ids and engine.failures() == {}
+    await engine.close()

@@ -106,6 +106,10 @@ class LocalBroker:
     def pid(self) -> int | None:
         return self._proc.pid if self._proc else None
 
+    @property
+    def exit_code(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
     def start(self) -> LocalBroker:
         if self.running:
             return self

@@ -7,6 +7,7 @@ when its handler returns (`commit="on_return"`) or, for effects made durable lat
 learner's checkpoints), when `settled(tag)` says so (`commit="when_settled"`). A record
 that does not decode or validate, or whose handler raises, is dead-lettered, and only once
 the dead letter is acknowledged is it settled: the partition moves on and nothing is lost.
+A handler that raises `Retryable` (a transient failure) gets the record again after a pause.
 
 Without a group (`group_id=None`) the subscription reads every partition itself (a
 `TopicReader`), commits nothing, and skips records it cannot use with a warning: the
@@ -28,12 +29,13 @@ from aiokafka.structs import ConsumerRecord
 from pydantic import BaseModel
 
 from rlnode.bus import clients, dead_letters
-from rlnode.bus.errors import unreachable
+from rlnode.bus.errors import Retryable, unreachable
 from rlnode.bus.ledger import OffsetLedger
 from rlnode.bus.reader import TopicReader
 from rlnode.bus.signing import RecordRefused
 from rlnode.messages import DeadLetterError, JobEventType, topics
 from rlnode.messages.codec import DecodeError, decode
+from rlnode.service.supervised import Supervised
 
 if TYPE_CHECKING:
     from rlnode.bus.core import Bus
@@ -44,6 +46,7 @@ M = TypeVar("M", bound=BaseModel)
 CommitPolicy = Literal["on_return", "when_settled"]
 SEQUENTIAL_FETCH = 500  # records one fetch may bring when they are handled one at a time
 MAX_DEAD_LETTERING = 1000  # dead letters awaiting the broker's acknowledgement at once
+RETRY_FIRST_S, RETRY_LONGEST_S = 0.5, 10.0  # pauses before handling a Retryable again
 Handler = Callable[[M, "Delivery"], Awaitable[Any]]
 
 
@@ -103,16 +106,16 @@ class Subscription(Generic[M]):
         self._caught_up = asyncio.Event()  # group-less: what existed at the start is handled
         self._consumer: AIOKafkaConsumer | None = None
         self._reader: TopicReader | None = None
-        self._loop: asyncio.Task | None = None
+        # The consuming loop, started again if it dies (a bug, a database that refused, a
+        # commit the broker would not take). Records it had taken and not settled stay
+        # uncommitted: a group reads them again.
+        self._loop = Supervised(f"consuming {topic}", self._run)
         self._in_flight: set[asyncio.Task] = set()
         # Dead letters on their way to the broker: published in the background (so a flood
         # of bad records costs one batch of publishes, not a round trip each), each record
         # settled once its dead letter is acknowledged.
         self._dead_lettering: set[asyncio.Task] = set()
         self._stopping = False
-        # Why the consuming loop died, while it waits to be started again (None: running).
-        self.failure: str | None = None
-        self.restarts = 0
 
     # -- lifecycle ---------------------------------------------------------------------
 
@@ -141,16 +144,13 @@ class Subscription(Generic[M]):
             # (seconds on a busy group), and a service would not answer its health check.
             consumer.subscribe([self.topic], listener=_Rebalance(self))
             self._consumer = consumer
-        self._loop = asyncio.create_task(self._supervise(), name=f"consume {self.topic}")
+        self._loop.start()
 
     async def stop(self, drain_timeout_s: float = 0.0) -> None:
         """Stop fetching; let records in flight finish for up to `drain_timeout_s`; commit
         what is settled. What did not finish stays uncommitted for the group to read again."""
         self._stopping = True
-        if self._loop is not None:
-            self._loop.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._loop
+        await self._loop.stop()
         if self._in_flight or self._dead_lettering:
             waiting = self._in_flight | self._dead_lettering
             _done, pending = await asyncio.wait(waiting, timeout=drain_timeout_s)
@@ -203,28 +203,14 @@ class Subscription(Generic[M]):
 
     # -- the loop ----------------------------------------------------------------------
 
-    async def _supervise(self) -> None:
-        """Run the loop; if it dies (a bug, a database that refused, a commit the broker
-        would not take), say why in the log and in `failure` (the service's /health answers
-        503 naming it) and start it again. Records it had taken and not settled stay
-        uncommitted: a group reads them again."""
-        delay = 0.5
-        while not self._stopping:
-            try:
-                await self._run()
-                return
-            except Exception as e:
-                self.failure = f"{type(e).__name__}: {e}"
-                self.restarts += 1
-                log.exception(
-                    "%s: the loop consuming %s died; starting it again in %.1fs",
-                    self.bus.service,
-                    self.topic,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 30.0)
-                self.failure = None
+    @property
+    def failure(self) -> str | None:
+        """Why the consuming loop died, while it waits to be started again (None: running)."""
+        return self._loop.failure
+
+    @property
+    def restarts(self) -> int:
+        return self._loop.restarts
 
     async def _run(self) -> None:
         while not self._stopping:
@@ -311,7 +297,7 @@ class Subscription(Generic[M]):
             await self._refuse(record, "producer", reason, None)
             return
         try:
-            await self.handler(payload, Delivery.of(record))
+            await self._call(payload, record)
         except RecordRefused as e:  # the handler found it names what is not its producer's
             await self._refuse(record, "producer", e.reason, None)
             return
@@ -342,6 +328,28 @@ class Subscription(Generic[M]):
         else:
             assert self._tag is not None
             self.ledger.tag(partition, record.offset, self._tag(payload))
+
+    async def _call(self, payload: M, record: ConsumerRecord) -> None:
+        """The handler, called again with backoff while it raises `Retryable` (a transient
+        failure: dead-lettering would lose a record that will be good in a moment). At
+        shutdown the record is left unsettled, for the group to read again."""
+        delay = RETRY_FIRST_S
+        while True:
+            try:
+                await self.handler(payload, Delivery.of(record))
+                return
+            except Retryable as e:
+                if self._stopping:
+                    raise
+                log.warning(
+                    "%s: %s[%s]@%s handled again in %.1fs: %s",
+                    self.bus.service,
+                    *_where(record),
+                    delay,
+                    e,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, RETRY_LONGEST_S)
 
     async def _refuse(
         self, record: ConsumerRecord, error: DeadLetterError, reason: str, document: Any

@@ -70,6 +70,10 @@ class Engine(Protocol):
 
     async def close(self) -> None: ...
 
+    def failures(self) -> dict[str, str]:
+        """{what: why} for the engine's background work that is down (its service's /health
+        answers 503 naming it); empty while it works."""
+
 
 def check_prompt(prompt_ids: list[int], vocab_size: int) -> None:
     """Refuse a prompt the model cannot embed before it joins a batch: one bad request must

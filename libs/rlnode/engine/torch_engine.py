@@ -4,7 +4,6 @@ KV cache, and a small scheduler that coalesces concurrent requests into batches.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import time
@@ -22,6 +21,7 @@ from rlnode.engine.base import (
     check_weights_fit,
 )
 from rlnode.models.safetensors_io import MappedSafetensors
+from rlnode.service.supervised import Supervised
 
 log = logging.getLogger("rlnode.engine.torch")
 
@@ -90,7 +90,8 @@ class TorchEngine:
         self.batched_requests = 0
         self._generator = torch.Generator(device=device).manual_seed(seed)
         self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
-        self._scheduler: asyncio.Task | None = None
+        # Batches requests; if it dies, the requests it held fail and it starts again.
+        self._scheduler = Supervised("torch engine scheduler", self._schedule)
         self._model_lock = asyncio.Lock()  # held by a batch and by a weight load: never both
         self.closed = False
 
@@ -100,8 +101,7 @@ class TorchEngine:
         if self.closed:
             raise EngineError("the engine was closed")
         check_prompt(request.prompt_ids, self.vocab_size)
-        if self._scheduler is None or self._scheduler.done():
-            self._scheduler = asyncio.create_task(self._schedule(), name="torch-engine-scheduler")
+        self._scheduler.start()
         future = asyncio.get_running_loop().create_future()
         await self._queue.put(_Pending(request, future))
         return await future
@@ -131,10 +131,7 @@ class TorchEngine:
 
     async def close(self) -> None:
         self.closed = True
-        if self._scheduler is not None:
-            self._scheduler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._scheduler
+        await self._scheduler.stop()
         while not self._queue.empty():
             pending = self._queue.get_nowait()
             if not pending.future.done():
@@ -142,41 +139,57 @@ class TorchEngine:
 
     # -- scheduling ----------------------------------------------------------------------
 
+    def failures(self) -> dict[str, str]:
+        failure = self._scheduler.failure
+        return {self._scheduler.name: failure} if failure is not None else {}
+
     async def _schedule(self) -> None:
         while True:
-            first = await self._queue.get()
-            batch = [first]
-            deadline = time.monotonic() + self.max_wait_s
-            while len(batch) < self.max_batch_size:
-                timeout = deadline - time.monotonic()
-                if timeout <= 0:
-                    break
-                try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), timeout))
-                except TimeoutError:
-                    break
-            batch = [p for p in batch if not p.future.cancelled()]
-            if not batch:
-                continue
-            async with self._model_lock:
-                version = self.policy_version
-                try:
-                    results = await asyncio.to_thread(
-                        self._generate_batch, [p.request for p in batch], version
-                    )
-                except Exception as e:  # a failing batch fails its requests, not the engine
-                    log.exception("batch of %d failed", len(batch))
-                    for p in batch:
-                        if not p.future.done():
-                            p.future.set_exception(
-                                EngineError(f"generation failed: {type(e).__name__}: {e}")
-                            )
-                    continue
-            self.batches += 1
-            self.batched_requests += len(batch)
-            for p, result in zip(batch, results, strict=True):
-                if not p.future.done():
-                    p.future.set_result(result)
+            batch = [await self._queue.get()]
+            try:
+                await self._run_batch(batch)
+            except BaseException as e:  # its requests fail with the cause, not hang
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(
+                            EngineError(f"the scheduler failed: {type(e).__name__}: {e}")
+                        )
+                raise
+
+    async def _run_batch(self, batch: list[_Pending]) -> None:
+        """Fill `batch` (in place, so that the caller can fail what it holds) for up to
+        `max_wait_s`, generate, and resolve each request."""
+        deadline = time.monotonic() + self.max_wait_s
+        while len(batch) < self.max_batch_size:
+            timeout = deadline - time.monotonic()
+            if timeout <= 0:
+                break
+            try:
+                batch.append(await asyncio.wait_for(self._queue.get(), timeout))
+            except TimeoutError:
+                break
+        wanted = [p for p in batch if not p.future.cancelled()]
+        if not wanted:
+            return
+        async with self._model_lock:
+            version = self.policy_version
+            try:
+                results = await asyncio.to_thread(
+                    self._generate_batch, [p.request for p in wanted], version
+                )
+            except Exception as e:  # a failing batch fails its requests, not the engine
+                log.exception("batch of %d failed", len(wanted))
+                for p in wanted:
+                    if not p.future.done():
+                        p.future.set_exception(
+                            EngineError(f"generation failed: {type(e).__name__}: {e}")
+                        )
+                return
+        self.batches += 1
+        self.batched_requests += len(wanted)
+        for p, result in zip(wanted, results, strict=True):
+            if not p.future.done():
+                p.future.set_result(result)
 
     # -- compute (in a worker thread) ------------------------------------------------------
 

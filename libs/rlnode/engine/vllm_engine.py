@@ -207,6 +207,12 @@ class VLLMEngine:
         self._engine = None
         shutil.rmtree(self._staging, ignore_errors=True)
 
+    def failures(self) -> dict[str, str]:
+        # AsyncLLM's engine core runs in its own process; when it dies every request fails.
+        if self._engine is not None and getattr(self._engine, "errored", False):
+            return {"vLLM engine core": "the engine core process has stopped"}
+        return {}
+
     async def _run(self, prompt: Any, params: Any) -> Any:
         final = None
         try:

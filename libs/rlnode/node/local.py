@@ -207,7 +207,7 @@ class LocalNode:
         (0.5 s doubling to 30 s; the streak resets after a minute up). Returns what
         happened, as log lines."""
         now = time.monotonic() if now is None else now
-        said = []
+        said = self._supervise_broker()
         for key, process in self.processes.items():
             code = process.proc.poll() if process.proc else None
             if code is None:
@@ -233,6 +233,31 @@ class LocalNode:
                 )
         return said
 
+    def _supervise_broker(self) -> list[str]:
+        """The embedded broker keeps everything in memory: if it dies, it is started again on
+        the same port with the topics made again, and every service on the bus is started
+        again to begin from the empty topics (the learner resumes each running job from its
+        last checkpoint and issues its work again)."""
+        broker = self.broker
+        if broker is None or broker.running:
+            return []
+        said = [f"the broker exited with code {broker.exit_code}; starting it again"]
+        try:
+            broker.start()
+            asyncio.run(ensure_topics(self.kafka_settings()))
+        except Exception as e:  # tried again on the next round
+            broker.stop()
+            return [*said, f"the broker could not be started again: {e}"]
+        self.restarts["broker"] = self.restarts.get("broker", 0) + 1
+        said.append(f"broker started again (pid {broker.pid}); restarting the services on it")
+        for key, process in self.processes.items():
+            if process.spec.on_the_bus:
+                process.stop(timeout_s=10.0)
+                process.start()
+                self._due.pop(key, None)
+                self.restarts[key] = self.restarts.get(key, 0) + 1
+        return said
+
     def state(self) -> dict:
         """What `rlnode status` shows: each service's URL, pid, restarts and log."""
         return {
@@ -240,6 +265,7 @@ class LocalNode:
             "data_dir": str(self.data_dir),
             "bootstrap": self.bootstrap,
             "broker_pid": self.broker.pid if self.broker else None,
+            "broker_restarts": self.restarts.get("broker", 0),
             "services": {
                 key: {
                     "url": p.url,

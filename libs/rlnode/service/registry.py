@@ -21,6 +21,9 @@ class ServiceSpec:
     token_scopes: tuple[Scope, ...] = ()  # what its node-wide service token may do
     client_url_env: str | None = None  # where the CLI and SDK read its URL
     health_path: str = "/health"
+    # It reads and writes Kafka topics: when an embedded broker (memory only) is started
+    # again, it is started again too, to begin from the new broker's empty topics.
+    on_the_bus: bool = False
 
     @property
     def default_url(self) -> str:
@@ -52,6 +55,7 @@ GENERATOR = ServiceSpec(
     8730,
     "GENERATOR_",
     token_scopes=(Scope.ROLLOUTS_RUN, Scope.RECORDS_SIGN),
+    on_the_bus=True,
 )
 LEARNER = ServiceSpec(
     "learner",
@@ -59,6 +63,7 @@ LEARNER = ServiceSpec(
     8740,
     "LEARNER_",
     token_scopes=(Scope.TASKAPPS_READ, Scope.SECRETS_READ, Scope.RECORDS_SIGN),
+    on_the_bus=True,
 )
 CHECKPOINT_SERVER = ServiceSpec(
     "checkpoint-server",
@@ -67,6 +72,7 @@ CHECKPOINT_SERVER = ServiceSpec(
     "CHECKPOINT_SERVER_",
     token_scopes=(Scope.RECORDS_SIGN,),
     client_url_env="RLNODE_CHECKPOINT_URL",
+    on_the_bus=True,
 )
 
 # In start order: each after what it needs.

@@ -9,11 +9,20 @@ runner's `offer`, whoever produces them.
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Protocol
 
+from aiokafka.errors import KafkaError
+from pydantic import BaseModel
+
 from rlnode.bus import Bus
+from rlnode.bus.errors import BusUnavailable
 from rlnode.messages import JobEvent, RolloutWork, WeightVersion
+
+log = logging.getLogger("rlnode.training.transport")
 
 
 class JobTransport(Protocol):
@@ -25,19 +34,39 @@ class JobTransport(Protocol):
 
 
 class BusTransport:
-    """The learner's: records go to their topics (a step's work in one go)."""
+    """The learner's: records go to their topics (a step's work in one go). While the
+    broker cannot be reached, a publish is tried again for up to `outage_s` (a record sent
+    twice is harmless: work and trajectories are deduplicated by work id), then fails the
+    job with the broker's error."""
 
-    def __init__(self, bus: Bus) -> None:
+    def __init__(self, bus: Bus, outage_s: float = 120.0) -> None:
         self.bus = bus
+        self.outage_s = outage_s
 
     async def publish_work(self, work: Sequence[RolloutWork]) -> None:
-        await self.bus.publish_all(work)
+        await self._until_published(work)
 
     async def publish_weights(self, version: WeightVersion) -> None:
-        await self.bus.publish(version)
+        await self._until_published([version])
 
     async def publish_event(self, event: JobEvent) -> None:
-        await self.bus.publish(event)
+        await self._until_published([event])
+
+    async def _until_published(self, records: Sequence[BaseModel]) -> None:
+        deadline = time.monotonic() + self.outage_s
+        delay = 0.5
+        while True:
+            try:
+                await self.bus.publish_all(records)
+                return
+            except (KafkaError, BusUnavailable) as e:
+                if time.monotonic() + delay > deadline:
+                    raise
+                log.warning(
+                    "%s: publishing failed (%s); trying again in %.1fs", self.bus.service, e, delay
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
 
 class InMemoryTransport:

@@ -110,6 +110,13 @@ class ModelCache:
     def bytes_used(self) -> int:
         return sum(self.sizes.values())
 
+    def failures(self) -> dict[str, str]:
+        return {
+            f"{what} of {key}": why
+            for key, engine in self.engines.items()
+            for what, why in engine.failures().items()
+        }
+
     async def get(self, key: str, path: Path) -> TorchEngine:
         engine = self.engines.get(key)
         if engine is not None:

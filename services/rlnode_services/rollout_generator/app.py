@@ -82,7 +82,7 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         await pool.close()
 
     app = create_service_app(SERVICE, settings, lifespan=lifespan)
-    app.state.failures.append(bus.failures)
+    app.state.failures.extend([bus.failures, pool.failures])
     app.state.health_checks["service_token"] = lambda: settings.service_token is not None
     app.state.verifier = VaultTokenVerifier(settings.vault_url)
     install_error_handlers(app)

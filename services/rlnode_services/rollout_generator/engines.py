@@ -107,6 +107,15 @@ class EnginePool:
             )
             return seconds, diff
 
+    def failures(self) -> dict[str, str]:
+        return {
+            f"{what} of job {job_id}": why
+            for job_id, engines in self.jobs.items()
+            for engine in (engines.policy, engines.reference)
+            if engine is not None
+            for what, why in engine.failures().items()
+        }
+
     async def close(self) -> None:
         for engines in self.jobs.values():
             await engines.policy.close()

@@ -62,6 +62,13 @@ class Gateway:
         self._records: dict[tuple[str, str], tuple[float, TaskAppRecord]] = {}
         create_tables(engine, *TABLES)
 
+    def failures(self) -> dict[str, str]:
+        return {
+            f"supervising Task App {org}/{name}": m.failure
+            for (org, name), m in self.managed.items()
+            if m.failure is not None
+        }
+
     async def aclose(self) -> None:
         await asyncio.gather(*(m.stop() for m in self.managed.values()), return_exceptions=True)
         self.managed.clear()

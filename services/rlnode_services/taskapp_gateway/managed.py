@@ -21,6 +21,7 @@ from enum import StrEnum
 from pathlib import Path
 
 from rlnode.bus.localbroker import free_port
+from rlnode.service.supervised import Supervised
 from rlnode_services.taskapp_gateway.client import TaskAppClient, TaskAppFailure
 from rlnode_services.taskapp_gateway.keys import KeyProvider, KeyUnavailable
 from rlnode_services.taskapp_gateway.sandbox import Sandbox, prepare_home, readable_by
@@ -90,9 +91,17 @@ class ManagedTaskApp:
         self._changed = asyncio.Event()  # replaced each time an attempt ends
         self.failed_attempts = 0  # attempts that ended without ever being healthy
         self._was_healthy = False
-        self._task: asyncio.Task | None = None
+        # Supervision itself is supervised: if it died, the Task App would go unwatched.
+        self._supervisor = Supervised(
+            f"supervising Task App {spec.org_id}/{spec.name}", self._supervise
+        )
         self._proc: asyncio.subprocess.Process | None = None
         self._stopping = False
+
+    @property
+    def failure(self) -> str | None:
+        """Why supervising this Task App died, while it waits to be started again."""
+        return self._supervisor.failure
 
     @property
     def url(self) -> str:
@@ -104,11 +113,9 @@ class ManagedTaskApp:
         return self._key
 
     def start(self) -> None:
-        if self._task is None or self._task.done():
+        if not self._supervisor.running:
             self._stopping = False
-            self._task = asyncio.create_task(
-                self._supervise(), name=f"taskapp {self.spec.org_id}/{self.spec.name}"
-            )
+            self._supervisor.start()
 
     async def ready(self, timeout_s: float) -> tuple[str, str]:
         """(base URL, key) once the process answers its health check. Fails as soon as a
@@ -145,10 +152,7 @@ class ManagedTaskApp:
     async def stop(self) -> None:
         self._stopping = True
         self._healthy.clear()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
+        await self._supervisor.stop()
         await self._terminate()
         self.status.state = State.STOPPED
         self.status.pid = None
