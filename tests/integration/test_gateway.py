@@ -4,6 +4,7 @@ endpoint."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
 import signal
@@ -21,8 +22,10 @@ from rlnode.bus.localbroker import free_port
 from rlnode.examples import task_app_path
 from rlnode.node.processes import ServiceProcess
 from rlnode.sdk.gateway import GatewayClient, GatewayError
-from rlnode.service.registry import SERVICES_BY_NAME
+from rlnode.service.registry import LEARNER, SERVICES_BY_NAME
 from rlnode.testing import ThreadedServer, readable_directory
+from rlnode_services.learner.probe import task_app_probe
+from rlnode_services.learner.settings import LearnerSettings
 from tests.integration.fakes import misbehaving_taskapps, scripted_policy
 from tests.integration.vault_fixtures import RunningVault
 
@@ -356,6 +359,36 @@ def test_another_org_cannot_see_or_call_it(node: Node) -> None:
             gateway_b.get("private")
         assert info.value.status == 404  # in its own org, it simply does not exist
     assert run(node, "private")["status"] == "ok"  # and A's still works
+
+
+def test_the_learners_probe_gets_a_verdict_for_its_orgs_only(node: Node) -> None:
+    """A paused job asks the gateway whether its Task App answers again, with the learner's
+    service token (taskapps:read): a verdict, never what the Task App sent. A token of
+    another org, one without the scope, and a forged one are refused."""
+    with node.client() as gateway:
+        gateway.register("probed", url=f"{node.bad_url}/crash")  # answers; its rollouts fail
+        gateway.register("probed-gone", url=f"http://127.0.0.1:{free_port()}")
+
+    def probe(token: str | None, name: str = "probed") -> tuple[bool, str]:
+        settings = LearnerSettings(gateway_url=node.gateway.url, service_token=token)
+        return asyncio.run(task_app_probe(settings, node.org_a, name)())
+
+    learner = node.vault.service_token([str(s) for s in LEARNER.token_scopes], service="learner")
+    assert probe(learner) == (True, "passes the gateway's verification")
+    ok, said = probe(learner, "probed-gone")
+    assert not ok and said.startswith("healthy: cannot connect") and node.key not in said
+    learner_b = node.vault.service_token(["taskapps:read"], org_id=node.org_b, service="learner")
+    for token, status, says in [
+        (learner_b, 403, f"cannot act on org {node.org_a!r}"),
+        (node.generator_token, 403, "lacks the scope(s) taskapps:read"),
+        ("rln1.forged.token", 401, "gateway"),
+    ]:
+        ok, said = probe(token)
+        assert not ok and f"(HTTP {status})" in said and says in said, said
+    assert probe(None) == (
+        False,
+        "the learner has no service token (LEARNER_SERVICE_TOKEN) to ask with",
+    )
 
 
 def test_registration_errors_are_clear(node: Node) -> None:

@@ -324,14 +324,15 @@ async def test_a_learner_killed_mid_job_resumes_with_nothing_lost_or_trained_twi
     assert "resumed" in started[-1].message
     # Every work item of every step was trained exactly once, across both learners.
     store = node[0].checkpoint_store
-    checkpoint = sorted((store / node[0].org_id / job_id / "checkpoints").glob("step-*"))[-1]
-    state = json.loads((checkpoint / "trainer_state.json").read_text())
-    from rlnode.training.loop import work_id
+    checkpoints = store / node[0].org_id / job_id / "checkpoints"
+    state = json.loads((sorted(checkpoints.glob("step-*"))[-1] / "trainer_state.json").read_text())
+    from rlnode.training.loop import trained_work_ids, work_id
 
-    expected = {
+    expected = [
         str(work_id(job_id, s, p, g)) for s in range(steps) for p in range(8) for g in range(8)
-    }
-    assert set(state["trained_work_ids"]) == expected and state["step"] == steps
+    ]
+    trained = trained_work_ids(checkpoints)
+    assert sorted(trained) == sorted(expected) and state["step"] == steps
 
 
 @pytest.mark.timeout(600)

@@ -104,3 +104,39 @@ def test_the_readme_config_reference_is_a_valid_config() -> None:
     (block,) = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
     config = JobConfig.model_validate(tomllib.loads(block))
     assert config.training.group_size == 16 and config.topology.reference == "auto"
+
+
+def test_watch_shows_a_pause_and_a_resume(monkeypatch) -> None:
+    import asyncio
+
+    from rlnode.cli import job as job_cli
+
+    out = io.StringIO()
+    monkeypatch.setattr(job_cli, "Progress", lambda: Progress(out))
+
+    paused = {
+        "step": 3,
+        "bad_steps": 2,
+        "rollouts": 16,
+        "failed": 16,
+        "failures": {"task_app_unreachable": 16},
+        "max_failed_share": 0.5,
+        "give_up_after_s": 600,
+    }
+    resumed = {"step": 3, "paused_s": 12.0, "probes": 3, "probe": "passes"}
+    events = [
+        event(JobEventType.ACCEPTED, 0, steps=5),
+        event(JobEventType.PAUSED, 1, **paused).model_copy(update={"message": "paused after 3"}),
+        event(JobEventType.RESUMED, 13, **resumed).model_copy(update={"message": "resumed"}),
+        event(JobEventType.COMPLETED, 20),
+    ]
+
+    class Jobs:
+        async def events(self, _job_id: str, wait_first_s: float):
+            for e in events:
+                yield e
+
+    assert asyncio.run(job_cli._follow(Jobs(), "job-1", wait_first_s=1.0)) == 0  # type: ignore[arg-type]
+    lines = out.getvalue().splitlines()
+    assert any("job.paused" in line and "paused after 3" in line for line in lines)
+    assert any("job.resumed" in line and line.endswith("resumed") for line in lines)

@@ -16,8 +16,9 @@ from rlnode.examples import example_job
 from rlnode.examples.taskapps import copy_task
 from rlnode.messages import JobConfig, JobEventType, RolloutWork, Trajectory
 from rlnode.models.build import init_tiny_model
+from rlnode.training.breaker import Probe
 from rlnode.training.inprocess import InProcessGenerator
-from rlnode.training.loop import JobCancelled, JobRunner
+from rlnode.training.loop import JobCancelled, JobRunner, trained_work_ids
 from rlnode.training.transport import InMemoryTransport
 from tests.conftest import eventually
 
@@ -37,9 +38,18 @@ def config(model: Path, **training) -> JobConfig:
 class Loop:
     """A runner, its transport and an in-process generator, as the learner would run them."""
 
-    def __init__(self, model: Path, root: Path, job: JobConfig, job_id: str = "job-loop") -> None:
+    def __init__(
+        self,
+        model: Path,
+        root: Path,
+        job: JobConfig,
+        job_id: str = "job-loop",
+        probe: Probe | None = None,
+    ) -> None:
         self.transport = InMemoryTransport()
-        self.runner = JobRunner(job_id, "org", job, self.transport, root, ["cpu"], 60.0)
+        self.runner = JobRunner(
+            job_id, "org", job, self.transport, root, ["cpu"], 60.0, probe=probe
+        )
         self.engine = TorchEngine(model, dtype="float32", max_wait_ms=1)
         self.generator = InProcessGenerator(self.engine, copy_task.DEFINITION, self.deliver).attach(
             self.transport
@@ -95,7 +105,7 @@ async def test_a_trajectory_offered_twice_is_trained_once(tiny_model, tmp_path):
     await loop.run()
     batches = loop.events(JobEventType.ROLLOUT_BATCH)
     assert [b["count"] for b in batches] == [8, 8, 8]
-    assert len(loop.runner.trained) == 24
+    assert len(trained_work_ids(tmp_path / "org" / "job-loop" / "checkpoints")) == 24
     assert Counter(t.work_id for t in loop.delivered).most_common(1)[0][1] == 1
     assert not any(loop.runner.buffer.values()), "late copies of trained steps were kept"
 
@@ -149,6 +159,9 @@ async def test_a_resumed_loop_reissues_the_same_work_and_trains_nothing_twice(ti
     after = {w.id for w in second.transport.work if w.step in (2, 3)}
     assert before == after
     every_item = {str(w.id) for w in first.transport.work if w.step < 4}
-    assert second.runner.trained == every_item  # each of the 4 x 8 work items, once
+    trained = trained_work_ids(tmp_path / "org" / "job-loop" / "checkpoints")
+    assert sorted(trained) == sorted(every_item)  # each of the 4 x 8 work items, once
+    # A checkpoint holds the ids since the one before, not all of them.
+    assert len(second.runner.trained) == 0  # cleared by the final checkpoint
     # Weight versions keep rising across the restart (generators roll back to the checkpoint).
     assert second.transport.weights[0].version > first.transport.weights[-1].version

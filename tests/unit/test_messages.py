@@ -21,6 +21,7 @@ from rlnode.messages import (
     TokenTurn,
     Trajectory,
     WeightVersion,
+    topics,
 )
 from rlnode.messages.codec import DecodeError, decode, decode_any, describe_validation_error, encode
 from rlnode.messages.examples import example_config, example_payloads
@@ -113,6 +114,32 @@ def test_group_size_one_is_refused_for_grpo() -> None:
         JobConfig.model_validate(document)
 
 
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("max_failed_share", 0.0, "greater than 0"),
+        ("max_failed_share", 1.5, "less than or equal to 1"),
+        ("consecutive_steps", 0, "greater than 0"),
+        ("give_up_after_s", 0, "greater than 0"),
+        ("give_up_after_s", -5.0, "greater than 0"),
+    ],
+)
+def test_bad_breaker_settings_are_named(field: str, value: float, says: str) -> None:
+    document = example_config().model_dump()
+    document["training"]["breaker"] = {field: value}
+    with pytest.raises(ValidationError) as info:
+        JobConfig.model_validate(document)
+    text = describe_validation_error(info.value, "JobConfig")
+    assert f"training.breaker.{field}: Input should be {says}" in text
+    assert f"(got {value})" in text
+
+
+def test_the_breaker_has_defaults() -> None:
+    breaker = example_config().training.breaker
+    assert (breaker.max_failed_share, breaker.consecutive_steps) == (0.5, 2)
+    assert breaker.give_up_after_s == 600.0
+
+
 def test_turn_logprobs_must_align_with_tokens() -> None:
     with pytest.raises(ValidationError, match="2 logprobs for 3 completion tokens"):
         TokenTurn(
@@ -184,6 +211,34 @@ def test_event_data_is_checked_against_its_type() -> None:
     )
     assert event.typed_data().reason == "out of memory"
     assert event.data["device"] == "cuda:0"  # producers may add fields
+
+
+def test_paused_and_resumed_are_the_learners_to_say() -> None:
+    paused = JobEvent(
+        job_id="j",
+        org_id="o",
+        type=JobEventType.PAUSED,
+        source="learner",
+        data={
+            "step": 3,
+            "bad_steps": 2,
+            "rollouts": 16,
+            "failed": 15,
+            "failures": {"task_app_unreachable": 12, "timeout": 3},
+            "max_failed_share": 0.5,
+            "give_up_after_s": 600,
+        },
+    )
+    assert paused.typed_data().failures == {"task_app_unreachable": 12, "timeout": 3}
+    assert not paused.type.ends_a_job
+    with pytest.raises(ValidationError, match="failures"):
+        JobEvent(job_id="j", org_id="o", type=JobEventType.PAUSED, source="learner", data={})
+    with pytest.raises(ValidationError, match="probes"):
+        JobEvent(
+            job_id="j", org_id="o", type=JobEventType.RESUMED, source="learner", data={"step": 3}
+        )
+    assert topics.may_produce(topics.LEARNER, topics.JOB_EVENTS, paused)
+    assert not topics.may_produce(topics.GENERATOR, topics.JOB_EVENTS, paused)
 
 
 def test_the_events_that_end_a_job() -> None:

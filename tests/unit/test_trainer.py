@@ -258,7 +258,7 @@ def test_chunk_size_and_activation_checkpointing_do_not_change_the_update(model_
     lean = Trainer(model_dir, _config(logit_chunk_tokens=3, activation_checkpointing=True))
     samples = _samples(plain)
     a, b = plain.step(samples), lean.step(samples)
-    assert a.loss == pytest.approx(b.loss, rel=1e-5)
+    assert a.loss == pytest.approx(b.loss, rel=1e-5, abs=1e-6)  # the loss may be ~0
     for x, y in zip(plain.model.parameters(), lean.model.parameters(), strict=True):
         assert torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-8)
 

@@ -11,7 +11,7 @@
 
 from rlnode.bus.clients import ensure_topics, partition_for, topic_partitions
 from rlnode.bus.core import Bus, Published
-from rlnode.bus.errors import BusError, BusUnavailable, RecordTooLarge
+from rlnode.bus.errors import BusError, BusUnavailable, RecordTooLarge, Retryable
 from rlnode.bus.ledger import OffsetLedger
 from rlnode.bus.reader import TopicReader
 from rlnode.bus.settings import KafkaSettings
@@ -26,6 +26,7 @@ __all__ = [
     "OffsetLedger",
     "Published",
     "RecordTooLarge",
+    "Retryable",
     "Subscription",
     "TopicReader",
     "ensure_topics",

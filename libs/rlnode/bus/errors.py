@@ -25,3 +25,10 @@ def unreachable(bootstrap_servers: str, error: BaseException | str) -> BusUnavai
         f"cannot reach Kafka at {bootstrap_servers} ({error}); start a broker "
         "(`rlnode broker`) or set KAFKA_BOOTSTRAP_SERVERS to one that runs"
     )
+
+
+class Retryable(Exception):
+    """Raised by a handler whose failure will pass (its database is down, a service it asks
+    answers 503): the subscription handles the record again after a pause, in place (its
+    partition waits, so order is kept), instead of dead-lettering it. A handler that raises
+    it must be safe to run again on the same record."""

@@ -165,7 +165,10 @@ class TorchEngine:
             if timeout <= 0:
                 break
             try:
-                batch.append(await asyncio.wait_for(self._queue.get(), timeout))
+                # Not wait_for: on Python 3.11 it can swallow a cancel that comes as get()
+                # completes, and close() would wait for ever on a scheduler that goes on.
+                async with asyncio.timeout(timeout):
+                    batch.append(await self._queue.get())
             except TimeoutError:
                 break
         wanted = [p for p in batch if not p.future.cancelled()]

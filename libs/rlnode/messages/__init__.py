@@ -2,6 +2,7 @@
 
 from rlnode.messages.base import ID_PATTERN, Envelope, ResourceId, Stamped, StrictModel, utc_now
 from rlnode.messages.config import (
+    BreakerSpec,
     JobConfig,
     ModelSpec,
     SamplingSpec,
@@ -36,6 +37,7 @@ __all__ = [
     "ID_PATTERN",
     "JOB_ENDED",
     "PAYLOAD_TYPES",
+    "BreakerSpec",
     "DeadLetter",
     "DeadLetterError",
     "Envelope",

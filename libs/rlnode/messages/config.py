@@ -47,6 +47,30 @@ class SeedSpec(StrictModel):
     count: PositiveInt | None = None
 
 
+class BreakerSpec(StrictModel):
+    """The Task App circuit breaker (rlnode.training.breaker): a job whose rollouts mostly
+    fail pauses (`job.paused`) and probes its Task App instead of training on the few that
+    survive; it resumes when the Task App answers, and fails past the time limit."""
+
+    max_failed_share: float = Field(
+        0.5,
+        gt=0.0,
+        le=1.0,
+        description="A step is bad when more than this share of its rollouts failed "
+        "(1.0: never, which turns the breaker off).",
+    )
+    consecutive_steps: PositiveInt = Field(
+        2, le=1000, description="Bad steps in a row that pause the job."
+    )
+    give_up_after_s: float = Field(
+        600.0,
+        gt=0.0,
+        le=7 * 86_400,
+        description="How long a paused job waits for its Task App to answer the probe (and "
+        "its rollouts to succeed again) before it fails.",
+    )
+
+
 class TrainingSpec(StrictModel):
     algorithm: Literal["grpo"] = "grpo"
     steps: PositiveInt = Field(50, le=10_000_000)
@@ -84,6 +108,10 @@ class TrainingSpec(StrictModel):
         ),
     )
     seed: int = 0
+    breaker: BreakerSpec = Field(
+        default_factory=BreakerSpec,
+        description="When failing rollouts pause the job (the Task App circuit breaker).",
+    )
 
 
 class TopologySpec(StrictModel):

@@ -12,6 +12,7 @@ from pydantic import (
     FiniteFloat,
     NonNegativeFloat,
     NonNegativeInt,
+    PositiveFloat,
     PositiveInt,
     model_validator,
 )
@@ -65,6 +66,8 @@ class JobEventType(StrEnum):
     WEIGHTS_LOADED = "weights.loaded"
     WEIGHTS_REFUSED = "weights.refused"
     CHECKPOINT_SAVED = "checkpoint.saved"
+    PAUSED = "job.paused"
+    RESUMED = "job.resumed"
     COMPLETED = "job.completed"
     FAILED = "job.failed"
     CANCELLED = "job.cancelled"
@@ -174,6 +177,40 @@ class CheckpointSavedData(EventData):
     final: bool = False
 
 
+class PausedData(EventData):
+    """The Task App circuit breaker tripped (training.breaker): the job trains no further
+    step and issues no new work until its Task App answers the probe."""
+
+    step: NonNegativeInt = Field(
+        description="Training steps done; the last of them tripped the breaker (and counts)."
+    )
+    bad_steps: PositiveInt = Field(
+        description="Steps in a row whose failed share passed max_failed_share."
+    )
+    rollouts: PositiveInt = Field(description="Rollouts of those steps.")
+    failed: NonNegativeInt = Field(description="Failed rollouts of those steps.")
+    failures: dict[str, NonNegativeInt] = Field(
+        description="Failure kinds of those rollouts, and how many of each."
+    )
+    max_failed_share: float = Field(gt=0.0, le=1.0, description="The threshold it passed.")
+    after_resume: bool = Field(
+        False,
+        description="Tripped by the first step after a resume: the Task App answered its "
+        "probe, but its rollouts still fail.",
+    )
+    give_up_after_s: PositiveFloat = Field(
+        description="How long the job waits for the Task App, from the first pause, before "
+        "it fails."
+    )
+
+
+class ResumedData(EventData):
+    step: NonNegativeInt = Field(description="Training steps done; training goes on from here.")
+    paused_s: NonNegativeFloat = Field(description="How long the job was paused.")
+    probes: PositiveInt = Field(description="Probes of the Task App while paused.")
+    probe: str = Field(description="What the last probe said.")
+
+
 class TrajectoryTooLargeData(EventData):
     rollout_id: str
     size_bytes: PositiveInt
@@ -193,6 +230,8 @@ EVENT_DATA: dict[JobEventType, type[EventData]] = {
     JobEventType.WEIGHTS_LOADED: WeightsLoadedData,
     JobEventType.WEIGHTS_REFUSED: WeightsRefusedData,
     JobEventType.CHECKPOINT_SAVED: CheckpointSavedData,
+    JobEventType.PAUSED: PausedData,
+    JobEventType.RESUMED: ResumedData,
 }
 
 

@@ -242,20 +242,23 @@ class LocalNode:
         if broker is None or broker.running:
             return []
         said = [f"the broker exited with code {broker.exit_code}; starting it again"]
+        # Killed first, not stopped: what they would still send (offsets, records of the
+        # dead broker's era) must not reach the new one.
+        on_the_bus = {k: p for k, p in self.processes.items() if p.spec.on_the_bus}
+        for process in on_the_bus.values():
+            process.kill()
         try:
             broker.start()
             asyncio.run(ensure_topics(self.kafka_settings()))
-        except Exception as e:  # tried again on the next round
+        except Exception as e:  # the services on the bus are started with it, next round
             broker.stop()
             return [*said, f"the broker could not be started again: {e}"]
         self.restarts["broker"] = self.restarts.get("broker", 0) + 1
-        said.append(f"broker started again (pid {broker.pid}); restarting the services on it")
-        for key, process in self.processes.items():
-            if process.spec.on_the_bus:
-                process.stop(timeout_s=10.0)
-                process.start()
-                self._due.pop(key, None)
-                self.restarts[key] = self.restarts.get(key, 0) + 1
+        said.append(f"broker started again (pid {broker.pid}); starting the services on it")
+        for key, process in on_the_bus.items():
+            process.start()
+            self._due.pop(key, None)
+            self.restarts[key] = self.restarts.get(key, 0) + 1
         return said
 
     def state(self) -> dict:

@@ -114,6 +114,11 @@ class ServiceProcess:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, signal.SIGKILL)
 
+    def kill(self) -> int | None:
+        """SIGKILL it and what it started; its exit code."""
+        self._reap_group()
+        return self.proc.wait() if self.proc is not None else None
+
     def log_tail(self, chars: int = 2000) -> str:
         try:
             return self.log_path.read_text(errors="replace")[-chars:]

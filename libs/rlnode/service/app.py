@@ -4,11 +4,12 @@ shutdown runs, exit code 0)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import uvicorn
@@ -64,7 +65,8 @@ def create_service_app(
 ) -> FastAPI:
     """The app a service builds its routes on. Its health route answers while the process
     serves; services add their own checks to `app.state.health_checks` (name -> callable
-    returning True when healthy: a failing one makes it "degraded"), and the background work
+    returning True when healthy, or a coroutine function for one that does I/O: a failing
+    one makes it "degraded"), and the background work
     whose death must not go unnoticed to `app.state.failures` (callables returning
     {what: why} for what is down: then /health answers 503 naming it)."""
     service = spec.name
@@ -80,14 +82,14 @@ def create_service_app(
     app.state.settings = settings
     app.state.service = service
     app.state.started_at = time.monotonic()
-    health_checks: dict[str, Callable[[], bool]] = {}
+    health_checks: dict[str, Callable[[], bool | Awaitable[bool]]] = {}
     app.state.health_checks = health_checks
     failures: list[Callable[[], dict[str, str]]] = []
     app.state.failures = failures
 
     @app.get(spec.health_path, tags=["ops"], summary="Liveness and readiness of this service")
     async def health() -> JSONResponse:
-        checks = {name: bool(check()) for name, check in app.state.health_checks.items()}
+        checks = {name: await _passes(check) for name, check in app.state.health_checks.items()}
         failing = {what: why for report in app.state.failures for what, why in report().items()}
         status = "failing" if failing else "ok" if all(checks.values()) else "degraded"
         body = {
@@ -103,6 +105,11 @@ def create_service_app(
         return JSONResponse(body, status_code=503 if failing else 200)
 
     return app
+
+
+async def _passes(check: Callable[[], bool | Awaitable[bool]]) -> bool:
+    result = check()
+    return bool(await result) if inspect.isawaitable(result) else bool(result)
 
 
 class _GracefulServer(uvicorn.Server):

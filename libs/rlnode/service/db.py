@@ -59,7 +59,10 @@ def make_engine(url: str, *, echo: bool = False) -> Engine:
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     if parsed.get_backend_name() == "postgresql":
-        return create_engine(url, echo=echo, pool_pre_ping=True)
+        # Pre-ping: connections the server dropped (a restart) are replaced on checkout. A
+        # connect timeout: a server that does not answer fails a request, never hangs it.
+        timeout = {} if "connect_timeout" in parsed.query else {"connect_timeout": 10}
+        return create_engine(url, echo=echo, pool_pre_ping=True, connect_args=timeout)
     raise ValueError(
         f"unsupported DATABASE_URL backend {parsed.get_backend_name()!r}; use postgresql:// or sqlite://"
     )

@@ -12,6 +12,7 @@ from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from rlnode.service.auth import AuthError, TokenClaims, bearer_token, require_operator
+from rlnode.service.db_outage import install_outage_handler
 
 log = logging.getLogger("rlnode.service.http")
 
@@ -45,6 +46,8 @@ def describe_request_errors(errors: list[dict[str, Any]], limit: int = 8) -> str
 
 
 def install_error_handlers(app: FastAPI) -> None:
+    install_outage_handler(app)  # a database that is down: 503, not 500
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
         return JSONResponse(

@@ -51,7 +51,10 @@ class Supervised:
         self._stopping = True
         task, self._task = self._task, None
         if task is not None and task is not asyncio.current_task():
-            task.cancel()
+            # Again until it ends: a body may swallow one cancel (asyncio.wait_for on 3.11).
+            while not task.done():
+                task.cancel()
+                await asyncio.wait({task}, timeout=1.0)
             with contextlib.suppress(asyncio.CancelledError):
                 await task
 

@@ -9,6 +9,7 @@ reads them."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import shutil
 import statistics
@@ -17,6 +18,7 @@ import uuid
 from collections import defaultdict
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from rlnode.messages import (
     EventData,
@@ -36,13 +38,16 @@ from rlnode.messages.jobs import (
 )
 from rlnode.service.registry import LEARNER
 from rlnode.service.stores import job_dir
+from rlnode.training.breaker import Probe, TaskAppBreaker, TaskAppDown
 from rlnode.training.distributed import DataParallelTrainer
 from rlnode.training.grpo import group_advantages, samples_from
+from rlnode.training.storage import StoreWriteFailed, remove_temporaries, write_waiting_for_room
 from rlnode.training.trainer import WEIGHT_DTYPES, TrainerConfig
 from rlnode.training.transport import JobTransport
 
 log = logging.getLogger("rlnode.training.loop")
 WORK_NAMESPACE = uuid.UUID("5f0c1c2e-7d0b-4a3e-9a55-2b8f3c1e9d10")
+T = TypeVar("T")
 
 
 class JobCancelled(Exception):
@@ -74,10 +79,15 @@ class JobRunner:
         weights_dir: Path | None = None,
         weights_dtype: str = "float32",
         max_checkpoint_bytes: int | None = None,
+        probe: Probe | None = None,
+        disk_full_wait_s: float = 600.0,
     ) -> None:
         """`weights_dir`: the weights store, where weight versions go when it has room
         (None: beside the checkpoints); `weights_dtype`: the engines' dtype, which they are
-        written in."""
+        written in; `probe`: asks whether the Task App answers, for the breaker (None: no
+        breaker, as in the in-process benchmarks, which have no gateway to ask);
+        `disk_full_wait_s`: how long a write waits for room in a full store before the job
+        fails (rlnode.training.storage)."""
         self.job_id, self.org_id, self.config = job_id, org_id, config
         self.transport = transport
         self.root = job_dir(checkpoint_root, org_id, job_id)
@@ -86,6 +96,9 @@ class JobRunner:
         self.weights_root = weights_dir
         self.weights_dtype = weights_dtype
         self.max_checkpoint_bytes = max_checkpoint_bytes
+        self.disk_full_wait_s = disk_full_wait_s
+        # Why the job waits for room in a store, while it does (None: it does not).
+        self.waiting_for_room: str | None = None
         self.weights_dir = self.root / "weights"
         self.step_timeout_s = step_timeout_s
         self.on_progress = on_progress
@@ -94,7 +107,9 @@ class JobRunner:
         self.per_step = t.prompts_per_step * t.group_size
         self.buffer: dict[int, dict[uuid.UUID, Trajectory]] = defaultdict(dict)
         self.arrived = asyncio.Event()
-        self.trained: set[str] = set()  # work ids trained on
+        # Work ids trained on since the last checkpoint (earlier steps are settled: their
+        # trajectories are refused by step), so the set and each checkpoint stay bounded.
+        self.trained: set[str] = set()
         self.step = 0  # optimizer steps done
         self.issued = -1  # highest step whose work was published
         self.checkpointed_step = -1  # steps < this + 1 are settled
@@ -105,6 +120,9 @@ class JobRunner:
         # publishes its checkpoint's weights under a new number), so generators that loaded
         # weights from after the checkpoint roll back to it.
         self.version = 0
+        self.breaker = (
+            TaskAppBreaker(t.breaker, config.task_app.name, probe) if probe is not None else None
+        )
 
     # -- trajectories in ------------------------------------------------------------------
 
@@ -166,6 +184,7 @@ class JobRunner:
                 await self._stop_for_cancel()
             wait_s = time.perf_counter() - waited_from
             await self._train(self.step, trajectories, wait_s)
+            await self._pause_while_failing(trajectories)
             if self.step % t.weight_sync_every == 0:
                 await self._publish_weights()
             # After publishing: the new work is tagged with the version it may be sampled
@@ -175,6 +194,26 @@ class JobRunner:
             if self.step % t.checkpoint_every == 0 or self.step == t.steps:
                 await self._checkpoint(final=self.step == t.steps)
             self.on_progress(self.step)
+
+    async def _pause_while_failing(self, trajectories: list[Trajectory]) -> None:
+        """The Task App breaker (rlnode.training.breaker): after the step that trips it,
+        publish no weights and issue no work until the Task App answers. That step stays
+        trained, as any step with failed rollouts is; after the last step there is nothing
+        left to protect."""
+        if self.breaker is None or self.step >= self.config.training.steps:
+            return
+        paused = self.breaker.judge(self.step - 1, trajectories)
+        if paused is None:
+            return
+        await self._event(JobEventType.PAUSED, self.breaker.paused_message(paused), paused)
+        try:
+            resumed = await self.breaker.hold(self.cancelled, self.issued)
+        except TaskAppDown as e:
+            raise JobFailed(str(e)) from None
+        if resumed is None:
+            await self._stop_for_cancel()  # cancelled while paused
+        else:
+            await self._event(JobEventType.RESUMED, self.breaker.resumed_message(resumed), resumed)
 
     async def _stop_for_cancel(self) -> None:
         """Keep what was learned: a checkpoint of the steps taken (the run can be served or
@@ -324,7 +363,10 @@ class JobRunner:
         assert self.trainer is not None
         version = self.version + 1
         path = self._weights_path(version)
-        digest, size = await asyncio.to_thread(self.trainer.save_weights, path, self.weights_dtype)
+        trainer = self.trainer
+        digest, size = await self._write(
+            f"weights v{version:06d}", path, lambda: trainer.save_weights(path, self.weights_dtype)
+        )
         probe_ids = self._probe_ids()
         probe = ParityProbe(
             token_ids=probe_ids, logprobs=await asyncio.to_thread(self.trainer.score, probe_ids)
@@ -363,10 +405,15 @@ class JobRunner:
             "step": self.step,
             "version": self.version,
             "sampler_position": self.step * self.config.training.prompts_per_step,
+            # The steps since the previous checkpoint; the chain of checkpoints holds all.
             "trained_work_ids": sorted(self.trained),
+            "previous_checkpoint_step": self.checkpointed_step + 1,
             "final": final,
         }
-        await asyncio.to_thread(self.trainer.save_checkpoint, path, state)
+        trainer = self.trainer
+        await self._write(
+            f"checkpoint {path.name}", path, lambda: trainer.save_checkpoint(path, state)
+        )
         if self.max_checkpoint_bytes is not None:
             used = await asyncio.to_thread(_bytes_under, self.root / "checkpoints")
             if used > self.max_checkpoint_bytes:
@@ -376,13 +423,39 @@ class JobRunner:
                     "(LEARNER_MAX_CHECKPOINT_BYTES)"
                 )
         self.checkpointed_step = self.step - 1
+        self.trained.clear()
         await self._event(
             JobEventType.CHECKPOINT_SAVED,
             f"checkpoint at step {self.step}",
             CheckpointSavedData(step=self.step, uri=path.as_uri(), final=final),
         )
 
+    async def _write(self, what: str, path: Path, write: Callable[[], T]) -> T:
+        """A checkpoint or weights write, paused while its store is full; one that cannot
+        be done ends the job saying why (see rlnode.training.storage)."""
+        try:
+            return await write_waiting_for_room(
+                write, what, path, self.disk_full_wait_s, self.cancelled, self._wait_for_room
+            )
+        except StoreWriteFailed as e:
+            if self.cancelled.is_set():
+                raise JobCancelled from e
+            kept = self.root / "checkpoints" / f"step-{self.checkpointed_step + 1:06d}"
+            if self.checkpointed_step < 0:
+                raise JobFailed(f"{e}; the job has no checkpoint yet") from None
+            raise JobFailed(
+                f"{e}; its last checkpoint, {kept}, is whole: a new job can start from it "
+                "(model.source)"
+            ) from None
+
+    def _wait_for_room(self, why: str | None) -> None:
+        self.waiting_for_room = why
+
     async def _resume(self) -> bool:
+        # What writes cut short by a crash left (no reader takes it; see training.storage).
+        for directory in {self.root / "checkpoints", self.root / "weights", self.weights_dir}:
+            if removed := await asyncio.to_thread(remove_temporaries, directory):
+                log.warning("job %s: removed unfinished writes %s", self.job_id, removed)
         checkpoints = (
             sorted((self.root / "checkpoints").glob("step-*"))
             if (self.root / "checkpoints").exists()
@@ -394,7 +467,7 @@ class JobRunner:
         state = await asyncio.to_thread(self.trainer.load_checkpoint, checkpoints[-1])
         self.step = state["step"]
         self.version = state["version"]
-        self.trained = set(state["trained_work_ids"])
+        self.trained = set()
         self.checkpointed_step = self.step - 1
         for step in list(self.buffer):
             if step < self.step:
@@ -406,6 +479,27 @@ class JobRunner:
         await self.transport.publish_event(
             JobEvent.of(self.job_id, self.org_id, self.source, kind, message, data)
         )
+
+
+def trained_work_ids(checkpoints: Path) -> list[str]:
+    """Every work id the newest checkpoint under `checkpoints` was trained on, in step
+    order, from the chain of checkpoints behind it (each holds the ids since the one
+    before). An id listed twice was trained twice."""
+    states = {
+        int(path.parent.name.removeprefix("step-")): json.loads(path.read_text())
+        for path in checkpoints.glob("step-*/trainer_state.json")
+    }
+    chain: list[list[str]] = []
+    step = max(states, default=0)
+    while step > 0:
+        if step not in states:
+            raise FileNotFoundError(f"the checkpoint of step {step} is missing under {checkpoints}")
+        chain.append(states[step]["trained_work_ids"])
+        previous = states[step]["previous_checkpoint_step"]
+        if previous >= step:
+            raise ValueError(f"the checkpoint of step {step} names {previous} as the one before")
+        step = previous
+    return [work for ids in reversed(chain) for work in ids]
 
 
 def _bytes_under(directory: Path) -> int:

@@ -35,6 +35,7 @@ from rlnode.messages import JobConfig, SamplingSpec, TrainingSpec
 from rlnode.models import TIED_INPUT, TIED_OUTPUT
 from rlnode.models.safetensors_io import TensorSpec, write_safetensors
 from rlnode.training.grpo import Sample, clipped_objective
+from rlnode.training.storage import temporary_sibling
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -496,19 +497,26 @@ class Trainer:
         optimizer_state = get_optimizer_state_dict(self.policy, self.optimizer, options=options)
         if self.rank != 0:
             return directory
-        temporary = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+        temporary = temporary_sibling(directory)
         if temporary.exists():
             shutil.rmtree(temporary)
         temporary.mkdir(parents=True)
-        self.model.save_pretrained(temporary, state_dict=model_state, safe_serialization=True)
-        self.tokenizer.save_pretrained(temporary)
-        torch.save(optimizer_state, temporary / "optimizer.pt")
-        (temporary / "trainer_state.json").write_text(
-            json.dumps({"steps": self.steps, "config": asdict(self.config), **state}, indent=2)
-            + "\n"
-        )
-        for file in temporary.iterdir():
-            _fsync(file)
+        try:
+            self.model.save_pretrained(temporary, state_dict=model_state, safe_serialization=True)
+            self.tokenizer.save_pretrained(temporary)
+            # Through a Python file, so that a full disk surfaces as the OSError behind
+            # torch's RuntimeError (a path is written by C++, which only says "unexpected pos").
+            with open(temporary / "optimizer.pt", "wb") as out:
+                torch.save(optimizer_state, out)
+            (temporary / "trainer_state.json").write_text(
+                json.dumps({"steps": self.steps, "config": asdict(self.config), **state}, indent=2)
+                + "\n"
+            )
+            for file in temporary.iterdir():
+                _fsync(file)
+        except BaseException:
+            shutil.rmtree(temporary, ignore_errors=True)  # nothing partial is left behind
+            raise
         if directory.exists():
             shutil.rmtree(directory)
         os.replace(temporary, directory)

@@ -16,6 +16,7 @@ from rlnode.messages import topics
 from rlnode.service.app import create_service_app
 from rlnode.service.auth import VaultTokenVerifier
 from rlnode.service.db import create_tables, engine_for
+from rlnode.service.db_outage import retry_on_outage, watch_database
 from rlnode.service.http import Operator, install_error_handlers
 from rlnode.service.openai_api import error_body
 from rlnode_services.checkpoint_server.events import event_routes
@@ -35,8 +36,11 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
     checkpoints = Checkpoints(db, root)
     cache = ModelCache(settings)
     bus = Bus(settings.kafka, service=SERVICE.name, **signing_for(settings))
-    bus.subscribe(topics.JOB_EVENTS, indexer.on_event, group_id=settings.group_id)
-    bus.subscribe(topics.WEIGHT_VERSIONS, indexer.on_weights, group_id=settings.group_id)
+    # Indexing is idempotent: what meets a database outage is indexed again once it is over.
+    bus.subscribe(topics.JOB_EVENTS, retry_on_outage(indexer.on_event), group_id=settings.group_id)
+    bus.subscribe(
+        topics.WEIGHT_VERSIONS, retry_on_outage(indexer.on_weights), group_id=settings.group_id
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -46,9 +50,10 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
         await cache.close()
 
     app = create_service_app(SERVICE, settings, lifespan=lifespan)
-    app.state.failures.append(bus.failures)
+    app.state.failures.extend([bus.failures, cache.failures])
     app.state.verifier = VaultTokenVerifier(settings.vault_url)
     install_error_handlers(app)
+    watch_database(app, db)
 
     @app.exception_handler(ModelProblem)
     async def _problem(_request: Request, exc: ModelProblem) -> JSONResponse:

@@ -24,6 +24,8 @@ STATUS_OF = {
     JobEventType.ACCEPTED: "accepted",
     JobEventType.QUEUED: "queued",
     JobEventType.STARTED: "running",
+    JobEventType.PAUSED: "paused",  # the Task App breaker tripped (reason: why)
+    JobEventType.RESUMED: "running",
     JobEventType.COMPLETED: "completed",
     JobEventType.FAILED: "failed",
     JobEventType.CANCELLED: "cancelled",
@@ -120,6 +122,10 @@ class Indexer:
                 summary.total_steps = event.data.get("steps", summary.total_steps)
             if event.type in (JobEventType.FAILED, JobEventType.CANCELLED):
                 summary.reason = str(event.data.get("reason", event.message))[:2000]
+            if event.type is JobEventType.PAUSED and summary.status == "paused":
+                summary.reason = event.message[:2000]
+            if event.type is JobEventType.RESUMED and summary.status == "running":
+                summary.reason = None
             if event.type is JobEventType.TRAIN_STEP:
                 step = int(event.data.get("step", 0))
                 if step > summary.step:

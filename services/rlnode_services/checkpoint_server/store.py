@@ -51,7 +51,7 @@ class JobSummary(SQLModel, table=True):
     org_id: str = Field(max_length=128, index=True)
     status: str = Field(
         max_length=16
-    )  # accepted|queued|running|completed|failed|rejected|cancelled
+    )  # accepted|queued|running|paused|completed|failed|rejected|cancelled
     step: int = 0
     total_steps: int | None = None
     reward_mean: float | None = None

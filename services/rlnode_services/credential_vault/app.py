@@ -22,6 +22,7 @@ from rlnode.service.auth import (
     bearer_token,
 )
 from rlnode.service.db import engine_for
+from rlnode.service.db_outage import watch_database
 from rlnode.service.http import BodySizeLimit, install_error_handlers
 from rlnode.service.sealing import SealingError, b64decode_strict, public_key_b64
 from rlnode_services.credential_vault import schemas as api
@@ -85,6 +86,7 @@ def create_app(settings: VaultSettings) -> FastAPI:
     app = create_service_app(SERVICE, settings, responses=ERRORS)
     app.state.vault = vault
     install_error_handlers(app)
+    watch_database(app, vault.engine)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
 
     @app.exception_handler(VaultError)

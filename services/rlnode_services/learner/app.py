@@ -15,6 +15,7 @@ from rlnode.messages import topics
 from rlnode.service.app import create_service_app
 from rlnode.service.auth import Scope, TokenVerifier, VaultTokenVerifier, require_operator
 from rlnode.service.db import engine_for
+from rlnode.service.db_outage import retry_on_outage, watch_database
 from rlnode.service.http import Caller, install_error_handlers
 from rlnode_services.learner.intake import JobIntake
 from rlnode_services.learner.jobs import JobManager
@@ -27,7 +28,10 @@ def create_app(settings: LearnerSettings) -> FastAPI:
     engine = engine_for(SERVICE.name, settings.database, settings.node)
     verifier = VaultTokenVerifier(settings.vault_url)
     manager = JobManager(settings, bus, engine, JobIntake(settings, verifier, engine))
-    bus.subscribe(topics.JOB_REQUESTS, manager.on_request, group_id=settings.group_id)
+    # A request that meets a database outage is handled again once it is over (not lost).
+    bus.subscribe(
+        topics.JOB_REQUESTS, retry_on_outage(manager.on_request), group_id=settings.group_id
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
@@ -38,9 +42,10 @@ def create_app(settings: LearnerSettings) -> FastAPI:
         await bus.stop()
 
     app = create_service_app(SERVICE, settings, lifespan=lifespan)
-    app.state.failures.append(bus.failures)
+    app.state.failures.extend([bus.failures, manager.drivers.failures])
     app.state.verifier = verifier
     install_error_handlers(app)
+    watch_database(app, engine)
     app.state.health_checks["service_token"] = lambda: settings.service_token is not None
 
     @app.get("/v1/jobs", tags=["jobs"])

@@ -7,11 +7,13 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
+from typing import Literal
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import col, delete
+from sqlmodel import Session, col, delete
 
+from rlnode.bus import Retryable
 from rlnode.messages import JobConfig, JobRequest, utc_now
 from rlnode.node.plan import PlanError, make_plan
 from rlnode.sdk.gateway import GatewayClient, GatewayError
@@ -25,6 +27,7 @@ from rlnode_services.learner.limits import (
     check_model_source,
     check_org_jobs,
 )
+from rlnode_services.learner.probe import failed_checks
 from rlnode_services.learner.settings import LearnerSettings
 from rlnode_services.learner.store import UsedJobToken
 
@@ -36,6 +39,9 @@ LEEWAY = timedelta(seconds=LEEWAY_S)
 class Verdict:
     ok: bool
     reason: str = ""
+    # This very request was judged before (it is handled again after a failure): what it
+    # did then (its job record) is its own, not a reuse of the job id.
+    repeated: bool = False
 
 
 class JobIntake:
@@ -50,6 +56,8 @@ class JobIntake:
             claims = await asyncio.to_thread(self.verifier.verify, request.token)
             self.verifier.authorize_claims(claims, scopes=[Scope.JOBS_WRITE], org_id=request.org_id)
         except AuthError as e:
+            if e.status == 503:  # the vault cannot check tokens just now: not a verdict
+                raise Retryable(e.message) from None
             return Verdict(False, f"the request's token was refused: {e.message}")
         if claims.kind != "job":
             return Verdict(
@@ -64,10 +72,16 @@ class JobIntake:
                 False,
                 f"the request's job token is for job {claims.job_id!r}, not {request.job_id!r}",
             )
-        if not await asyncio.to_thread(self._take, claims, request):
+        taken = await asyncio.to_thread(self._take, claims, request)
+        if taken is None:
             return Verdict(
                 False, "the request's job token was used already: each is good for one request"
             )
+        verdict = await self._judge(request)
+        verdict.repeated = taken == "again"
+        return verdict
+
+    async def _judge(self, request: JobRequest) -> Verdict:
         if request.action == "cancel":
             return Verdict(True)
         assert request.config is not None
@@ -88,9 +102,10 @@ class JobIntake:
             )
         return await asyncio.to_thread(self._check_dependencies, request.org_id, request.config)
 
-    def _take(self, claims: TokenClaims, request: JobRequest) -> bool:
-        """Mark the job token used; False if it was before. Expired ones are forgotten here
-        (the verifier refuses them anyway)."""
+    def _take(self, claims: TokenClaims, request: JobRequest) -> Literal["new", "again"] | None:
+        """Mark the job token used: "new"; "again" if this very request took it before
+        (handled again after a failure); None if another request did. Expired ones are
+        forgotten here (the verifier refuses them anyway)."""
         now = utc_now()
         try:
             with session_scope(self.engine) as s:
@@ -104,8 +119,10 @@ class JobIntake:
                     )
                 )
         except IntegrityError:
-            return False
-        return True
+            with Session(self.engine) as s:
+                held = s.get(UsedJobToken, claims.token_id)
+            return "again" if held is not None and held.request_id == str(request.id) else None
+        return "new"
 
     def check_plan(self, config: JobConfig) -> Verdict:
         """The job's topology against this node's GPUs (rlnode.node.plan: the rules `rlnode plan`
@@ -122,6 +139,8 @@ class JobIntake:
             with VaultClient(self.settings.vault_url, self._token) as vault:
                 vault.get_secret_info(secret, org_id)
         except VaultError as e:
+            if e.status == 503:  # the vault's database is down, say: ask again later
+                raise Retryable(e.message) from None
             if e.status == 404:
                 return Verdict(
                     False,
@@ -134,6 +153,8 @@ class JobIntake:
             with GatewayClient(self.settings.gateway_url, self._token) as gateway:
                 report = gateway.verify(name, org_id)
         except GatewayError as e:
+            if e.status == 503:
+                raise Retryable(e.message) from None
             if e.status == 404:
                 return Verdict(
                     False,
@@ -143,13 +164,8 @@ class JobIntake:
                 False, f"could not check the Task App {name!r} with the gateway: {e.message}"
             )
         if not report["ok"]:
-            failed = [
-                f"{k}: {report[k]['detail']}"
-                for k in ("healthy", "accepts_key", "refuses_wrong_key")
-                if not report[k]["ok"]
-            ]
             return Verdict(
                 False,
-                f"the Task App {name!r} does not pass verification ({'; '.join(failed)}); `rlnode taskapp verify {name}` shows it",
+                f"the Task App {name!r} does not pass verification ({failed_checks(report)}); `rlnode taskapp verify {name}` shows it",
             )
         return Verdict(True)

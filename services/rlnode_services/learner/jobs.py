@@ -4,12 +4,12 @@ committed only once a checkpoint covers them."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import logging
 
 from aiokafka.errors import KafkaError
 from sqlalchemy.engine import Engine
+from sqlalchemy.exc import SQLAlchemyError
 from sqlmodel import Session, col, select
 
 from rlnode.bus import Bus, Delivery, Subscription
@@ -31,9 +31,13 @@ from rlnode.messages.jobs import (
     RejectedData,
 )
 from rlnode.service.db import create_tables, session_scope
+from rlnode.service.db_outage import message as outage_message
+from rlnode.service.db_outage import unreachable
+from rlnode.service.supervised import Background
 from rlnode.training.loop import JobCancelled, JobFailed, JobRunner
 from rlnode.training.transport import BusTransport
 from rlnode_services.learner.intake import JobIntake
+from rlnode_services.learner.probe import task_app_probe
 from rlnode_services.learner.settings import LearnerSettings
 from rlnode_services.learner.store import ACTIVE, TABLES, JobRecord
 
@@ -50,7 +54,10 @@ class JobManager:
         self.intake = intake
         self.transport = BusTransport(bus)
         self.runners: dict[str, JobRunner] = {}
-        self.tasks: dict[str, asyncio.Task] = {}
+        # One supervised driver per running job ("job <id>"): /health names a driver that
+        # died, and it starts again (the job resumes from its last checkpoint).
+        self.drivers = Background()
+        self.holding: set[str] = set()  # jobs whose driver runs or waits to run again
         # A data-parallel job holds the process group (one per process): one job at a time.
         self.capacity = 1 if len(settings.device_list) > 1 else settings.max_running_jobs
         self.trajectories: Subscription[Trajectory] | None = None
@@ -84,9 +91,7 @@ class JobManager:
     async def stop(self) -> None:
         """Stop the runners (their jobs stay running and resume on restart); the bus stops
         the subscriptions."""
-        for task in self.tasks.values():
-            task.cancel()
-        await asyncio.gather(*self.tasks.values(), return_exceptions=True)
+        await self.drivers.stop()
 
     # -- requests -------------------------------------------------------------------------
 
@@ -102,6 +107,12 @@ class JobManager:
         assert config is not None, "a 'start' request has a config (JobRequest validates it)"
         with Session(self.engine) as s:
             existing = s.get(JobRecord, request.job_id)
+        if existing is not None and verdict.repeated:
+            # This request, handled again after a failure (a database outage): the record is
+            # its own; go on from where it stopped.
+            if existing.status == "queued" and existing.job_id not in self.holding:
+                await self._start_or_queue(existing)
+            return
         if existing is not None:
             reason = (
                 f"job id {request.job_id!r} was used already ({existing.status}); choose another"
@@ -126,18 +137,24 @@ class JobManager:
         await self._start_or_queue(record)
 
     async def _start_or_queue(self, record: JobRecord) -> None:
-        if len(self.runners) >= self.capacity:
+        if len(self.holding) >= self.capacity:
             await self._event(
                 record.job_id,
                 record.org_id,
                 JobEventType.QUEUED,
-                f"queued behind {len(self.runners)} running job(s)",
+                f"queued behind {len(self.holding)} running job(s)",
             )
             return
-        config = JobConfig.model_validate_json(record.config)
         job_id = record.job_id
-        runner = JobRunner(
-            record.job_id,
+        self._set(job_id, status="running")
+        self.holding.add(job_id)
+        self.drivers.run(f"job {job_id}", lambda: self._drive(job_id))
+
+    def _runner(self, record: JobRecord) -> JobRunner:
+        job_id = record.job_id
+        config = JobConfig.model_validate_json(record.config)
+        return JobRunner(
+            job_id,
             record.org_id,
             config,
             self.transport,
@@ -145,54 +162,47 @@ class JobManager:
             self.settings.device_list,
             self.settings.step_timeout_s,
             source=self.bus.service,
-            on_progress=lambda step: self._set(job_id, step=step),
+            on_progress=lambda step: self._note_progress(job_id, step),
             reference_device=self.settings.reference_device,
             weights_dir=self.settings.node.weights_store,
             weights_dtype=self.settings.engine_dtype,
             max_checkpoint_bytes=self.settings.max_checkpoint_bytes,
-        )
-        self.runners[record.job_id] = runner
-        self._set(record.job_id, status="running")
-        self.tasks[record.job_id] = asyncio.create_task(
-            self._drive(runner), name=f"job {record.job_id}"
+            disk_full_wait_s=self.settings.disk_full_wait_s,
+            probe=task_app_probe(self.settings, record.org_id, config.task_app.name),
         )
 
-    async def _drive(self, runner: JobRunner) -> None:
-        job_id = runner.job_id
+    async def _drive(self, job_id: str) -> None:
+        """Run a job from its last checkpoint to its verdict, then start a queued job. If
+        this raises (the verdict could not be published or recorded), supervision runs it
+        again: it resumes from its last checkpoint and reaches its verdict again."""
+        with Session(self.engine) as s:
+            record = s.get(JobRecord, job_id)
+        if record is not None and record.status in ACTIVE:
+            runner = self._runner(record)
+            self.runners[job_id] = runner
+            try:
+                await self._end(runner, *await self._outcome(runner))
+            finally:
+                self.runners.pop(job_id, None)
+        self.holding.discard(job_id)
+        await self._commit()
+        await self._start_next_queued()
+
+    async def _outcome(self, runner: JobRunner) -> tuple[JobEventType, str, EventData]:
         try:
             await runner.run()
         except JobCancelled:
             reason = runner.cancel_reason
-            await self._end(
-                runner,
-                JobEventType.CANCELLED,
-                f"cancelled at step {runner.step}: {reason}",
-                EndedData(reason=reason, step=runner.step),
-            )
+            message = f"cancelled at step {runner.step}: {reason}"
+            return JobEventType.CANCELLED, message, EndedData(reason=reason, step=runner.step)
         except JobFailed as e:
-            await self._end(
-                runner, JobEventType.FAILED, str(e), EndedData(reason=str(e), step=runner.step)
-            )
-        except asyncio.CancelledError:
-            raise  # the learner is stopping: the job stays "running" and resumes on restart
+            return JobEventType.FAILED, str(e), EndedData(reason=str(e), step=runner.step)
         except Exception as e:
-            log.exception("job %s failed", job_id)
+            log.exception("job %s failed", runner.job_id)
             reason = f"the learner failed: {type(e).__name__}: {e}"
-            await self._end(
-                runner, JobEventType.FAILED, reason, EndedData(reason=reason, step=runner.step)
-            )
-        else:
-            await self._end(
-                runner,
-                JobEventType.COMPLETED,
-                f"completed {runner.step} steps",
-                CompletedData(steps=runner.step),
-            )
-        finally:
-            self.runners.pop(job_id, None)
-            self.tasks.pop(job_id, None)
-            await self._commit()
-        await self._start_next_queued()
+            return JobEventType.FAILED, reason, EndedData(reason=reason, step=runner.step)
+        message = f"completed {runner.step} steps"
+        return JobEventType.COMPLETED, message, CompletedData(steps=runner.step)
 
     async def _start_next_queued(self) -> None:
         with Session(self.engine) as s:
@@ -201,7 +211,7 @@ class JobManager:
                 .where(JobRecord.status == "queued")
                 .order_by(col(JobRecord.created_at))
             ).first()
-        if queued is not None and len(self.runners) < self.capacity:
+        if queued is not None and len(self.holding) < self.capacity:
             await self._start_or_queue(queued)
 
     async def _cancel(self, request: JobRequest) -> None:
@@ -283,8 +293,19 @@ class JobManager:
             JobEventType.COMPLETED: "completed",
         }[kind]
         changes = {"reason": message} if kind is JobEventType.FAILED else {}
-        self._set(runner.job_id, status=status, **changes)
+        # Published first: if recording fails, the driver runs again and says it again.
         await self._event(runner.job_id, runner.org_id, kind, message, data)
+        self._set(runner.job_id, status=status, **changes)
+
+    def _note_progress(self, job_id: str, step: int) -> None:
+        """Best effort: a database outage must not fail a training job over a progress
+        figure (the next step, or the verdict, records it)."""
+        try:
+            self._set(job_id, step=step)
+        except SQLAlchemyError as e:
+            if not unreachable(e):
+                raise
+            log.warning("job %s: step %d not recorded: %s", job_id, step, outage_message(e))
 
     def _set(self, job_id: str, **changes) -> None:
         with session_scope(self.engine) as s:

@@ -73,6 +73,13 @@ class LearnerSettings(VaultClientSettings):
         description="Checkpoint bytes of one job, at most: estimated from the model before it "
         "starts, measured at each checkpoint after.",
     )
+    disk_full_wait_s: float = Field(
+        600.0,
+        ge=0,
+        description="How long a job waits, paused, for room when its checkpoint or weights "
+        "store is full (each write is tried again with backoff); past it the job fails, "
+        "saying where and how much is free.",
+    )
 
     @field_validator("devices")
     @classmethod

@@ -18,6 +18,7 @@ from rlnode.service.auth import (
     VaultTokenVerifier,
 )
 from rlnode.service.db import engine_for
+from rlnode.service.db_outage import watch_database
 from rlnode.service.http import BodySizeLimit, Caller, install_error_handlers
 from rlnode_services.taskapp_gateway.gateway import Gateway, GatewayError
 from rlnode_services.taskapp_gateway.keys import KeyProvider
@@ -62,8 +63,10 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app = create_service_app(SERVICE, settings, lifespan=lifespan, responses=ERRORS)
     app.state.verifier = VaultTokenVerifier(settings.vault_url)
     app.state.gateway = gateway
+    app.state.failures.append(gateway.failures)
     app.state.health_checks["service_token"] = lambda: keys.configured
     install_error_handlers(app)
+    watch_database(app, gateway.engine)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)
 
     @app.exception_handler(GatewayError)
