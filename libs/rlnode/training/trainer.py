@@ -33,6 +33,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rlnode.messages import JobConfig, SamplingSpec, TrainingSpec
 from rlnode.models import TIED_INPUT, TIED_OUTPUT
+from rlnode.models.hf import load_causal_lm, load_tokenizer
 from rlnode.models.safetensors_io import TensorSpec, write_safetensors
 from rlnode.training.grpo import Sample, clipped_objective
 from rlnode.training.storage import temporary_sibling
@@ -278,20 +279,15 @@ class Trainer:
     ) -> None:
         """`reference_device`: where the reference model goes when it is on the learner
         (default: beside the policy; the GPU plan's `dedicated` placement names its GPU)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()
-        hf_logging.set_verbosity_error()
         torch.manual_seed(config.seed)
         self.config = config
         self.device = device
         self.model_path = Path(model_path)
-        self.tokenizer = AutoTokenizer.from_pretrained(model_path)
+        self.tokenizer = load_tokenizer(model_path)
         self.rank, self.world = _world()
         # fp32 master weights; bf16 compute on GPUs (autocast with one rank, FSDP's
         # mixed precision with several).
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = load_causal_lm(model_path, dtype=torch.float32)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable(
                 gradient_checkpointing_kwargs={"use_reentrant": False}
@@ -304,7 +300,7 @@ class Trainer:
         self.reference: torch.nn.Module | None = None
         self.reference_device = reference_device or device
         if reference_on_trainer:
-            frozen = AutoModelForCausalLM.from_pretrained(model_path, dtype=self._compute_dtype())
+            frozen = load_causal_lm(model_path, dtype=self._compute_dtype())
             frozen = frozen.to(self.reference_device).eval()  # type: ignore[arg-type]  # as above
             frozen.requires_grad_(False)
             self.reference = CompletionLogprobs(frozen, config.logit_chunk_tokens)
