@@ -184,7 +184,9 @@ def main() -> None:
     with LocalNode(options) as node:
         orgs = []
         for name in ("a", "b"):
-            org = node.create_org(unique_id(f"org-{name}"), {"ENVIRONMENT_API_KEY": unique_id("key")})
+            org = node.create_org(
+                unique_id(f"org-{name}"), {"ENVIRONMENT_API_KEY": unique_id("key")}
+            )
             assert node.register_example_task_app(org, TASK_APP, "copy_task")["ok"]
             orgs.append(org)
         model = init_tiny_model(directory / "tiny", seed=0)
