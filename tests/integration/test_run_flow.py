@@ -115,6 +115,21 @@ def test_start_watch_list_status_and_plot(node, finished_job) -> None:
     assert [m["step"] for m in lines] == list(range(1, STEPS + 1))
 
 
+def test_events_prints_a_jobs_events_as_json_lines(node, finished_job) -> None:
+    """`rlnode events`: what shell users pipe into jq, one job's or the whole org's."""
+    one = cli(node, "events", "--job", finished_job, "--json")
+    assert one.returncode == 0, one.stderr
+    events = [json.loads(line) for line in one.stdout.splitlines()]
+    assert events[0]["type"] == "job.accepted" and events[-1]["type"] == "job.completed"
+    assert {e["job_id"] for e in events} == {finished_job}
+    steps = [e["data"]["step"] for e in events if e["type"] == "train.step"]
+    assert steps == list(range(1, STEPS + 1))
+    every = cli(node, "events")
+    assert every.returncode == 0, every.stderr
+    assert f"{finished_job} job.completed" in every.stdout
+    assert {line.split()[1] for line in every.stdout.splitlines()} >= {finished_job}
+
+
 async def test_the_openai_client_talks_to_latest_and_earlier_checkpoints(
     node, finished_job
 ) -> None:
@@ -275,23 +290,22 @@ def test_cli_failures_are_one_line_a_user_can_act_on(node, tmp_path) -> None:
     assert running.processes  # the node is still up
 
 
-async def test_any_kafka_client_can_drive_a_job(node) -> None:
-    """A plain aiokafka producer and consumer: raw JSON in, raw JSON out."""
-    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+ENDS = ("job.completed", "job.failed", "job.rejected")
 
+
+def raw_start_request(node, job_id: str) -> dict:
+    """A one-step job's start request as any client writes it: JSON, with the job token
+    straight from the vault's HTTP API."""
     running, org, config, _directory = node
-    job_id = unique_id("raw")
     body = json.loads(config.read_text())
     body["training"]["steps"] = 1
-    # The job token the request carries, straight from the vault's HTTP API.
-    async with httpx.AsyncClient() as http:
-        minted = await http.post(
-            f"{running.url('credential-vault')}/v1/orgs/{org.org_id}/job-tokens",
-            json={"job_id": job_id},
-            headers={"Authorization": f"Bearer {org.token}"},
-        )
+    minted = httpx.post(
+        f"{running.url('credential-vault')}/v1/orgs/{org.org_id}/job-tokens",
+        json={"job_id": job_id},
+        headers={"Authorization": f"Bearer {org.token}"},
+    )
     minted.raise_for_status()
-    request = {
+    return {
         "schema": "rlnode.JobRequest/1",
         "job_id": job_id,
         "org_id": org.org_id,
@@ -299,6 +313,15 @@ async def test_any_kafka_client_can_drive_a_job(node) -> None:
         "action": "start",
         "config": body,
     }
+
+
+async def test_any_kafka_client_can_drive_a_job(node) -> None:
+    """A plain aiokafka producer and consumer: raw JSON in, raw JSON out."""
+    from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+    running, org, _config, _directory = node
+    job_id = unique_id("raw")
+    request = await asyncio.to_thread(raw_start_request, node, job_id)
     producer = AIOKafkaProducer(bootstrap_servers=running.bootstrap)
     await producer.start()
     await producer.send_and_wait(
@@ -318,7 +341,7 @@ async def test_any_kafka_client_can_drive_a_job(node) -> None:
                 event = json.loads(record.value)
                 if event["job_id"] == job_id:
                     seen.append(event["type"])
-                    if event["type"] in ("job.completed", "job.failed", "job.rejected"):
+                    if event["type"] in ENDS:
                         break
     finally:
         await consumer.stop()
@@ -326,3 +349,40 @@ async def test_any_kafka_client_can_drive_a_job(node) -> None:
     async with running.jobs(org) as jobs:
         replay = [e.type.value async for e in jobs.events(job_id, follow=False)]
     assert replay[0] == "job.accepted" and "job.completed" in replay
+
+
+def test_confluent_kafka_drives_a_job(node) -> None:
+    """librdkafka's client (confluent-kafka; kcat and most non-Python clients are built on
+    it) starts a job and reads its events. Its consumer groups wait for their first
+    partitions half the session timeout on the embedded broker: the README says to pass
+    session.timeout.ms=6000 (librdkafka's default, 45 s, means ~23 s)."""
+    from confluent_kafka import Consumer, Producer
+
+    running, _org, _config, _directory = node
+    job_id = unique_id("confluent")
+    producer = Producer({"bootstrap.servers": running.bootstrap})
+    producer.produce(
+        topics.JOB_REQUESTS, json.dumps(raw_start_request(node, job_id)).encode(), job_id
+    )
+    assert producer.flush(30) == 0, "the request was not delivered"
+    consumer = Consumer(
+        {
+            "bootstrap.servers": running.bootstrap,
+            "group.id": unique_id("confluent"),
+            "auto.offset.reset": "earliest",
+            "session.timeout.ms": 6000,
+        }
+    )
+    consumer.subscribe([topics.JOB_EVENTS])
+    seen: list[str] = []
+    deadline = time.monotonic() + 300
+    try:
+        while time.monotonic() < deadline and not (seen and seen[-1] in ENDS):
+            message = consumer.poll(1.0)
+            if message is None or message.error() or message.key() != job_id.encode():
+                continue
+            event = json.loads(message.value())
+            seen.append(event["type"])
+    finally:
+        consumer.close()
+    assert seen and seen[0] == "job.accepted" and seen[-1] == "job.completed", seen

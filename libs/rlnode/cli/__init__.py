@@ -14,6 +14,7 @@ rlnode secrets list | rm NAME
 rlnode taskapp register|list|verify|logs|rm
 rlnode job start CONFIG [--watch] | watch ID | list | status ID | cancel ID | plot ID
 rlnode infer JOB@STEP "prompt"  ask a checkpoint (STEP may be `latest`)
+rlnode events [--job ID] [--follow] [--json]  your org's job events, for shell users
 """
 
 from __future__ import annotations

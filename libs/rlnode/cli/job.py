@@ -142,6 +142,29 @@ def _watch(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _events(args: argparse.Namespace) -> int:
+    """Job events for shell users: one line each, or one JSON object per line (--json)."""
+
+    def show(event: JobEvent) -> None:
+        if args.json:
+            print(event.model_dump_json(), flush=True)
+        else:
+            stamp = datetime.fromtimestamp(event.ts.timestamp()).strftime("%H:%M:%S")
+            print(f"{stamp} {event.job_id} {event.type.value:<18} {event.message}", flush=True)
+
+    async def run() -> int:
+        async with _jobs(args) as jobs:
+            if args.job:
+                events = jobs.events(args.job, follow=args.follow)
+            else:
+                events = jobs.org_events(follow=args.follow)
+            async for event in events:
+                show(event)
+        return 0
+
+    return asyncio.run(run())
+
+
 # -- list / status / plot / infer -----------------------------------------------------------
 
 
@@ -245,6 +268,18 @@ def register(commands: argparse._SubParsersAction) -> None:
     plot.add_argument("job_id")
     plot.add_argument("--out", default=None, help="default: ./<job_id>.png")
     plot.set_defaults(run=_plot)
+
+    events = commands.add_parser(
+        "events",
+        parents=[vault],
+        help="your org's job events (of one job with --job); --json: one object per line",
+    )
+    events.add_argument("--job", default=None, help="only this job's events")
+    events.add_argument(
+        "--follow", action="store_true", help="wait for more (with --job: until the job ends)"
+    )
+    events.add_argument("--json", action="store_true", help="JSON lines, as the topic holds them")
+    events.set_defaults(run=_events)
 
     infer = commands.add_parser(
         "infer", parents=[server], help="ask a checkpoint (MODEL = <job_id>@<step>|latest)"

@@ -142,6 +142,13 @@ class JobsClient:
         ):
             yield event
 
+    async def org_events(self, *, follow: bool = True) -> AsyncIterator[JobEvent]:
+        """Every event of this org's jobs (see `org_events`)."""
+        async for event in org_events(
+            self.kafka, self._verifier, self.org_id, service=self._bus.service, follow=follow
+        ):
+            yield event
+
     async def wait(self, job_id: str, idle_timeout_s: float | None = None) -> JobEvent:
         """Until the job ends; its last event if it completed, else JobError saying why."""
         last = None
@@ -195,6 +202,29 @@ async def job_events(
                     f"no event of job {job_id} for {idle_timeout_s:g}s; is a learner "
                     "running (rlnode status)?"
                 )
+
+
+async def org_events(
+    kafka: KafkaSettings,
+    verifier: RecordVerifier,
+    org_id: str,
+    *,
+    service: str,
+    follow: bool = True,
+) -> AsyncIterator[JobEvent]:
+    """Every event of the org's jobs from the first, forged ones skipped; a job's events in
+    order (they share a partition), jobs interleaved as they come. With `follow`, waits for
+    more until cancelled; without, stops at the end of what the topic holds now."""
+    async with TopicReader(kafka, topics.JOB_EVENTS, service=service) as reader:
+        while True:
+            for record in await reader.fetch():
+                event = _job_event(record.value)
+                if event is None or event.org_id != org_id:
+                    continue
+                if await _from_a_service(verifier, record, event):
+                    yield event
+            if not follow and reader.caught_up.is_set():
+                return
 
 
 async def _from_a_service(
