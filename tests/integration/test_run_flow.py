@@ -130,6 +130,19 @@ def test_events_prints_a_jobs_events_as_json_lines(node, finished_job) -> None:
     assert {line.split()[1] for line in every.stdout.splitlines()} >= {finished_job}
 
 
+def test_export_replays_a_job_into_tensorboard(node, finished_job) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out = node[3] / "tensorboard"
+    exported = cli(node, "job", "export", finished_job, "--to", "tensorboard", "--out", str(out))
+    assert exported.returncode == 0, exported.stderr
+    run = EventAccumulator(str(out / finished_job))
+    run.Reload()
+    assert [s.step for s in run.Scalars("train/reward_mean")] == list(range(1, STEPS + 1))
+    unknown = cli(node, "job", "export", "job-nope", "--to", "tensorboard", "--out", str(out))
+    assert unknown.returncode == 1 and "no events of job job-nope" in unknown.stderr
+
+
 async def test_the_openai_client_talks_to_latest_and_earlier_checkpoints(
     node, finished_job
 ) -> None:

@@ -13,6 +13,7 @@ rlnode secrets set NAME       seal a value locally and upload the ciphertext
 rlnode secrets list | rm NAME
 rlnode taskapp register|list|verify|logs|rm
 rlnode job start CONFIG [--watch] | watch ID | list | status ID | cancel ID | plot ID
+rlnode job export ID --to tensorboard --out DIR   replay a job into a tracker
 rlnode infer JOB@STEP "prompt"  ask a checkpoint (STEP may be `latest`)
 rlnode events [--job ID] [--follow] [--json]  your org's job events, for shell users
 """

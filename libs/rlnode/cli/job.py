@@ -1,4 +1,4 @@
-"""`rlnode job start|watch|list|status|cancel|plot` and `rlnode infer`.
+"""`rlnode job start|watch|list|status|cancel|plot|export`, `rlnode events`, `rlnode infer`.
 
 Jobs go through the broker (KAFKA_BOOTSTRAP_SERVERS): requests to the learner, events back.
 Listings, metrics and inference come from the checkpoint-server (RLNODE_CHECKPOINT_URL). The
@@ -23,6 +23,7 @@ from rlnode.sdk.jobs import JobsClient, load_config, new_job_id
 from rlnode.sdk.progress import QUIET, Progress, write_plot
 from rlnode.service.auth import AuthError, read_unverified
 from rlnode.service.registry import CHECKPOINT_SERVER, VAULT
+from rlnode.trackers import TRACKERS, TrackerUnavailable, open_tracker
 
 
 class CliError(RuntimeError):
@@ -165,6 +166,28 @@ def _events(args: argparse.Namespace) -> int:
     return asyncio.run(run())
 
 
+def _export(args: argparse.Namespace) -> int:
+    """Replay a job's events (what the topic holds now) into an experiment tracker."""
+    try:
+        tracker = open_tracker(args.to, args.job_id, Path(args.out))
+    except (ValueError, TrackerUnavailable) as e:
+        raise CliError(str(e)) from None
+
+    async def run() -> int:
+        count = 0
+        async with _jobs(args) as jobs:
+            async for event in jobs.events(args.job_id, follow=False):
+                tracker.log(event)
+                count += 1
+        tracker.close()
+        if count == 0:
+            raise CliError(f"no events of job {args.job_id} on the topic: check the id")
+        print(f"{count} events of {args.job_id} written for {args.to} under {args.out}")
+        return 0
+
+    return asyncio.run(run())
+
+
 # -- list / status / plot / infer -----------------------------------------------------------
 
 
@@ -253,6 +276,13 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--wait", type=float, default=30.0, help="seconds to wait for the first event"
     )
     watch.set_defaults(run=_watch)
+    export = sub.add_parser(
+        "export", parents=[vault], help="replay a job's events into an experiment tracker"
+    )
+    export.add_argument("job_id")
+    export.add_argument("--to", required=True, choices=sorted(TRACKERS))
+    export.add_argument("--out", required=True, help="the directory runs are written under")
+    export.set_defaults(run=_export)
     lst = sub.add_parser("list", parents=[server], help="your org's jobs")
     lst.set_defaults(run=_list)
     status = sub.add_parser("status", parents=[server], help="one job's state and checkpoints")

@@ -1,0 +1,34 @@
+"""The trackers by name, each behind its library, which is an optional install."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+from rlnode.messages import JobEvent
+
+
+class TrackerUnavailable(RuntimeError):
+    """The tracker's library is not installed (the message says how to install it)."""
+
+
+class Tracker(Protocol):
+    def log(self, event: JobEvent) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _tensorboard(job_id: str, out: Path) -> Tracker:
+    from rlnode.trackers.tensorboard import TensorBoardTracker
+
+    return TensorBoardTracker(job_id, out)
+
+
+TRACKERS = {"tensorboard": _tensorboard}
+
+
+def open_tracker(name: str, job_id: str, out: Path) -> Tracker:
+    """The tracker `name` writing job `job_id`'s run under `out`."""
+    if name not in TRACKERS:
+        raise ValueError(f"no tracker {name!r}; choose one of {', '.join(sorted(TRACKERS))}")
+    return TRACKERS[name](job_id, out)

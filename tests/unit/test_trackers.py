@@ -1,0 +1,103 @@
+"""A job's events into TensorBoard, read back with TensorBoard's own reader."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+
+import pytest
+
+from rlnode.messages import JobEvent, JobEventType
+from rlnode.trackers import metrics_of, open_tracker
+
+pytest.importorskip("tensorboard", reason="make setup installs it (the dev extra)")
+
+
+def event(kind: JobEventType, second: int, message: str = "", **data) -> JobEvent:
+    return JobEvent(
+        job_id="job-t",
+        org_id="org-t",
+        type=kind,
+        source="learner",
+        message=message or kind.value,
+        data=data,
+        ts=datetime(2026, 12, 2, tzinfo=UTC) + timedelta(seconds=second),
+    )
+
+
+def train_step(step: int, reward: float) -> JobEvent:
+    return event(
+        JobEventType.TRAIN_STEP,
+        step,
+        step=step,
+        total_steps=3,
+        loss=0.5 / step,
+        reward_mean=reward,
+        reward_std=0.1,
+        kl=None,
+        clip_fraction=0.0,
+        staleness_min=0,
+        staleness_mean=0.5,
+        staleness_max=1,
+        tokens_per_s=100.0,
+        wait_s=0.2,
+        compute_s=0.1,
+    )
+
+
+def test_the_mapping_places_batches_at_the_step_that_trains_them() -> None:
+    batch = event(
+        JobEventType.ROLLOUT_BATCH, 0, step=0, count=8, failed=2, reward_mean=0.25, reward_std=0.0
+    )
+    metrics = metrics_of(batch, last_step=0)
+    assert metrics is not None and metrics.step == 1
+    assert metrics.scalars == {
+        "rollouts/count": 8.0,
+        "rollouts/failed": 2.0,
+        "rollouts/reward_mean": 0.25,
+        "rollouts/reward_std": 0.0,
+    }
+    trained = metrics_of(train_step(2, 0.5), last_step=1)
+    assert trained is not None and trained.step == 2 and "train/kl" not in trained.scalars
+    assert "train/total_steps" not in trained.scalars
+    done = metrics_of(event(JobEventType.COMPLETED, 9, "completed 3 steps", steps=3), last_step=3)
+    assert done is not None and done.step == 3 and done.text == "job.completed: completed 3 steps"
+    published = event(
+        JobEventType.WEIGHTS_PUBLISHED, 1, version=1, step=1, uri="file:///w", blake3="0"
+    )
+    assert metrics_of(published, last_step=1) is None
+
+
+def test_tensorboard_holds_every_step_and_value(tmp_path) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    tracker = open_tracker("tensorboard", "job-t", tmp_path)
+    rewards = [0.1, 0.4, 0.7]
+    tracker.log(event(JobEventType.ACCEPTED, 0, steps=3))
+    for step, reward in enumerate(rewards, start=1):
+        batch = {
+            "step": step - 1,
+            "count": 8,
+            "failed": 0,
+            "reward_mean": reward,
+            "reward_std": 0.0,
+        }
+        tracker.log(event(JobEventType.ROLLOUT_BATCH, step, **batch))
+        tracker.log(train_step(step, reward))
+    tracker.log(event(JobEventType.COMPLETED, 9, "completed 3 steps", steps=3))
+    tracker.close()
+
+    run = EventAccumulator(str(tmp_path / "job-t"))
+    run.Reload()
+    read = run.Scalars("train/reward_mean")
+    assert [s.step for s in read] == [1, 2, 3]
+    assert [s.value for s in read] == pytest.approx(rewards)
+    assert read[0].wall_time == pytest.approx(
+        datetime(2026, 12, 2, 0, 0, 1, tzinfo=UTC).timestamp()
+    )
+    assert [s.step for s in run.Scalars("rollouts/count")] == [1, 2, 3]
+    assert "train/loss" in run.Tags()["scalars"]
+
+
+def test_an_unknown_tracker_names_the_known_ones(tmp_path) -> None:
+    with pytest.raises(ValueError, match="no tracker 'neptune'; choose one of tensorboard"):
+        open_tracker("neptune", "job-t", tmp_path)
