@@ -130,7 +130,7 @@ def test_events_prints_a_jobs_events_as_json_lines(node, finished_job) -> None:
     assert {line.split()[1] for line in every.stdout.splitlines()} >= {finished_job}
 
 
-def test_export_replays_a_job_into_tensorboard(node, finished_job) -> None:
+def test_export_replays_a_job_into_tensorboard_and_mlflow(node, finished_job) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = node[3] / "tensorboard"
@@ -139,6 +139,19 @@ def test_export_replays_a_job_into_tensorboard(node, finished_job) -> None:
     run = EventAccumulator(str(out / finished_job))
     run.Reload()
     assert [s.step for s in run.Scalars("train/reward_mean")] == list(range(1, STEPS + 1))
+    # MLflow, in a SQLite database in a directory.
+    from mlflow.tracking import MlflowClient
+
+    from rlnode.trackers.mlflow import tracking_uri
+
+    mlruns = node[3] / "mlruns"
+    exported = cli(node, "job", "export", finished_job, "--to", "mlflow", "--out", str(mlruns))
+    assert exported.returncode == 0, exported.stderr
+    client = MlflowClient(tracking_uri(str(mlruns)))
+    (run,) = client.search_runs([client.get_experiment_by_name("rlnode").experiment_id])
+    assert run.info.run_name == finished_job and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "train/reward_mean")
+    assert [m.step for m in history] == list(range(1, STEPS + 1))
     unknown = cli(node, "job", "export", "job-nope", "--to", "tensorboard", "--out", str(out))
     assert unknown.returncode == 1 and "no events of job job-nope" in unknown.stderr
 

@@ -70,7 +70,7 @@ def test_the_mapping_places_batches_at_the_step_that_trains_them() -> None:
 def test_tensorboard_holds_every_step_and_value(tmp_path) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tracker = open_tracker("tensorboard", "job-t", tmp_path)
+    tracker = open_tracker("tensorboard", "job-t", str(tmp_path))
     rewards = [0.1, 0.4, 0.7]
     tracker.log(event(JobEventType.ACCEPTED, 0, steps=3))
     for step, reward in enumerate(rewards, start=1):
@@ -99,5 +99,30 @@ def test_tensorboard_holds_every_step_and_value(tmp_path) -> None:
 
 
 def test_an_unknown_tracker_names_the_known_ones(tmp_path) -> None:
-    with pytest.raises(ValueError, match="no tracker 'neptune'; choose one of tensorboard"):
-        open_tracker("neptune", "job-t", tmp_path)
+    with pytest.raises(ValueError, match="no tracker 'neptune'; choose one of mlflow, tensorboard"):
+        open_tracker("neptune", "job-t", str(tmp_path))
+
+
+def test_mlflow_holds_every_step_and_value_and_the_runs_end(tmp_path) -> None:
+    pytest.importorskip("mlflow", reason="make setup installs it (the dev extra)")
+    from mlflow.tracking import MlflowClient
+
+    from rlnode.trackers.mlflow import EXPERIMENT, tracking_uri
+
+    tracker = open_tracker("mlflow", "job-t", str(tmp_path / "mlruns"))
+    rewards = [0.1, 0.4, 0.7]
+    tracker.log(event(JobEventType.ACCEPTED, 0, steps=3))
+    for step, reward in enumerate(rewards, start=1):
+        tracker.log(train_step(step, reward))
+    tracker.log(event(JobEventType.COMPLETED, 9, "completed 3 steps", steps=3))
+    tracker.close()
+
+    client = MlflowClient(tracking_uri(str(tmp_path / "mlruns")))
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    (run,) = client.search_runs([experiment.experiment_id])
+    assert run.info.run_name == "job-t" and run.info.status == "FINISHED"
+    history = client.get_metric_history(run.info.run_id, "train/reward_mean")
+    assert [m.step for m in history] == [1, 2, 3]
+    assert [m.value for m in history] == pytest.approx(rewards)
+    events = client.download_artifacts(run.info.run_id, "events.txt", str(tmp_path))
+    assert "job.completed: completed 3 steps" in open(events).read()

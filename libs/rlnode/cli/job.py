@@ -169,7 +169,7 @@ def _events(args: argparse.Namespace) -> int:
 def _export(args: argparse.Namespace) -> int:
     """Replay a job's events (what the topic holds now) into an experiment tracker."""
     try:
-        tracker = open_tracker(args.to, args.job_id, Path(args.out))
+        tracker = open_tracker(args.to, args.job_id, args.out)
     except (ValueError, TrackerUnavailable) as e:
         raise CliError(str(e)) from None
 
@@ -281,7 +281,11 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     export.add_argument("job_id")
     export.add_argument("--to", required=True, choices=sorted(TRACKERS))
-    export.add_argument("--out", required=True, help="the directory runs are written under")
+    export.add_argument(
+        "--out",
+        required=True,
+        help="tensorboard: the directory runs go under; mlflow: a tracking URI or a directory",
+    )
     export.set_defaults(run=_export)
     lst = sub.add_parser("list", parents=[server], help="your org's jobs")
     lst.set_defaults(run=_list)

@@ -18,17 +18,24 @@ class Tracker(Protocol):
     def close(self) -> None: ...
 
 
-def _tensorboard(job_id: str, out: Path) -> Tracker:
+def _tensorboard(job_id: str, out: str) -> Tracker:
     from rlnode.trackers.tensorboard import TensorBoardTracker
 
-    return TensorBoardTracker(job_id, out)
+    return TensorBoardTracker(job_id, Path(out))
 
 
-TRACKERS = {"tensorboard": _tensorboard}
+def _mlflow(job_id: str, out: str) -> Tracker:
+    from rlnode.trackers.mlflow import MlflowTracker
+
+    return MlflowTracker(job_id, out)
 
 
-def open_tracker(name: str, job_id: str, out: Path) -> Tracker:
-    """The tracker `name` writing job `job_id`'s run under `out`."""
+# Each one's `out`: TensorBoard a directory runs go under; MLflow a tracking URI or a path.
+TRACKERS = {"tensorboard": _tensorboard, "mlflow": _mlflow}
+
+
+def open_tracker(name: str, job_id: str, out: str) -> Tracker:
+    """The tracker `name` writing job `job_id`'s run at `out`."""
     if name not in TRACKERS:
         raise ValueError(f"no tracker {name!r}; choose one of {', '.join(sorted(TRACKERS))}")
     return TRACKERS[name](job_id, out)
