@@ -130,7 +130,7 @@ def test_events_prints_a_jobs_events_as_json_lines(node, finished_job) -> None:
     assert {line.split()[1] for line in every.stdout.splitlines()} >= {finished_job}
 
 
-def test_export_replays_a_job_into_tensorboard_and_mlflow(node, finished_job) -> None:
+def test_export_replays_a_job_into_tensorboard_mlflow_and_wandb(node, finished_job) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = node[3] / "tensorboard"
@@ -152,6 +152,14 @@ def test_export_replays_a_job_into_tensorboard_and_mlflow(node, finished_job) ->
     assert run.info.run_name == finished_job and run.info.status == "FINISHED"
     history = client.get_metric_history(run.info.run_id, "train/reward_mean")
     assert [m.step for m in history] == list(range(1, STEPS + 1))
+    # W&B, offline.
+    from tests.unit.test_trackers import read_wandb_history
+
+    runs = node[3] / "wandb-runs"
+    exported = cli(node, "job", "export", finished_job, "--to", "wandb", "--out", str(runs))
+    assert exported.returncode == 0, exported.stderr
+    rows = [row for row in read_wandb_history(runs) if "train/reward_mean" in row]
+    assert [row["_step"] for row in rows] == list(range(1, STEPS + 1))
     unknown = cli(node, "job", "export", "job-nope", "--to", "tensorboard", "--out", str(out))
     assert unknown.returncode == 1 and "no events of job job-nope" in unknown.stderr
 

@@ -126,3 +126,63 @@ def test_mlflow_holds_every_step_and_value_and_the_runs_end(tmp_path) -> None:
     assert [m.value for m in history] == pytest.approx(rewards)
     events = client.download_artifacts(run.info.run_id, "events.txt", str(tmp_path))
     assert "job.completed: completed 3 steps" in open(events).read()
+
+
+def wandb_records(path):
+    """The records of a W&B run file: after its 7-byte header (":W&B", magic, version),
+    LevelDB-log chunks in 32 KiB blocks (crc32, length, type; full, first, middle, last)."""
+    data = path.read_bytes()
+    assert data[:4] == b":W&B", "not a W&B run file"
+    position, block, parts = 7, 32768, []
+    while position + 7 <= len(data):
+        left = block - position % block
+        length, kind = (
+            int.from_bytes(data[position + 4 : position + 6], "little"),
+            data[position + 6],
+        )
+        if left < 7 or (kind == 0 and length == 0):  # the block's padding
+            position += left
+            continue
+        parts.append(data[position + 7 : position + 7 + length])
+        position += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            yield b"".join(parts)
+            parts = []
+
+
+def read_wandb_history(out) -> list[dict]:
+    """The history rows of the one offline run under `out`, decoded with W&B's own record
+    schema (its Python reader of run files is gone since the Go core)."""
+    import json
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = out.glob("wandb/offline-run-*/run-*.wandb")
+    rows = []
+    for data in wandb_records(path):
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(data)
+        if record.WhichOneof("record_type") == "history":
+            rows.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
+    return rows
+
+
+def test_wandb_offline_holds_every_step_and_value(tmp_path, monkeypatch) -> None:
+    pytest.importorskip("wandb", reason="make setup installs it (the dev extra)")
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = open_tracker("wandb", "job-t", str(tmp_path))
+    rewards = [0.1, 0.4, 0.7]
+    for step, reward in enumerate(rewards, start=1):
+        tracker.log(train_step(step, reward))
+    tracker.log(train_step(2, 0.0))  # a resumed job's step again: W&B keeps rising steps
+    tracker.log(event(JobEventType.COMPLETED, 9, "completed 3 steps", steps=3))
+    tracker.close()
+    rows = [row for row in read_wandb_history(tmp_path) if "train/reward_mean" in row]
+    assert [row["_step"] for row in rows] == [1, 2, 3]
+    assert [row["train/reward_mean"] for row in rows] == pytest.approx(rewards)

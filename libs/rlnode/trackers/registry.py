@@ -30,8 +30,15 @@ def _mlflow(job_id: str, out: str) -> Tracker:
     return MlflowTracker(job_id, out)
 
 
-# Each one's `out`: TensorBoard a directory runs go under; MLflow a tracking URI or a path.
-TRACKERS = {"tensorboard": _tensorboard, "mlflow": _mlflow}
+def _wandb(job_id: str, out: str) -> Tracker:
+    from rlnode.trackers.wandb import WandbTracker
+
+    return WandbTracker(job_id, Path(out))
+
+
+# Each one's `out`: TensorBoard and W&B a directory runs go under; MLflow a tracking URI or
+# a directory.
+TRACKERS = {"tensorboard": _tensorboard, "mlflow": _mlflow, "wandb": _wandb}
 
 
 def open_tracker(name: str, job_id: str, out: str) -> Tracker:
