@@ -4,6 +4,7 @@ line of text for the events that are news rather than numbers."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import datetime
 
 from rlnode.messages import JobEvent, JobEventType
 
@@ -54,3 +55,29 @@ def _scalars(prefix: str, data: dict) -> dict[str, float]:
         and isinstance(value, int | float)
         and not isinstance(value, bool)
     }
+
+
+class EventTracker:
+    """What every tracker does with an event: its scalars at their step, its text at the
+    last step seen; a tracker writes them (`write_scalars`, `write_text`: by default kept as
+    `lines` for the tracker to store when it closes)."""
+
+    def __init__(self) -> None:
+        self.last_step = 0
+        self.lines: list[str] = []
+
+    def log(self, event: JobEvent) -> None:
+        metrics = metrics_of(event, self.last_step)
+        if metrics is None:
+            return
+        if metrics.scalars:
+            self.write_scalars(metrics.step, metrics.scalars, event.ts)
+        self.last_step = max(self.last_step, metrics.step)
+        if metrics.text is not None:
+            self.write_text(metrics.step, metrics.text, event.ts)
+
+    def write_scalars(self, step: int, scalars: dict[str, float], at: datetime) -> None:
+        raise NotImplementedError
+
+    def write_text(self, step: int, text: str, at: datetime) -> None:
+        self.lines.append(f"{at.isoformat()} step {step} {text}")

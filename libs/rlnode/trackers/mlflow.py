@@ -5,11 +5,12 @@ maintenance only). It needs `mlflow-skinny` (pip install 'rlnode[trackers]')."""
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
 from rlnode.messages import JobEvent, JobEventType
-from rlnode.trackers.metrics import metrics_of
-from rlnode.trackers.registry import TrackerUnavailable
+from rlnode.trackers.metrics import EventTracker
+from rlnode.trackers.registry import need
 
 EXPERIMENT = "rlnode"
 STATUS = {
@@ -34,18 +35,12 @@ def artifact_root(out: str) -> str | None:
     return None if "://" in out else (Path(out).resolve() / "artifacts").as_uri()
 
 
-class MlflowTracker:
+class MlflowTracker(EventTracker):
     def __init__(self, job_id: str, out: str) -> None:
-        try:
-            from mlflow.entities import Metric
-            from mlflow.tracking import MlflowClient
-        except ImportError as e:
-            raise TrackerUnavailable(
-                f"MLflow needs its client ({e}): pip install 'rlnode[trackers]' "
-                "(or pip install mlflow-skinny)"
-            ) from None
-        self._metric = Metric
-        self.client = MlflowClient(tracking_uri(out))
+        super().__init__()
+        mlflow = need("mlflow", "MLflow", "mlflow-skinny")
+        self._metric = mlflow.entities.Metric
+        self.client = mlflow.tracking.MlflowClient(tracking_uri(out))
         experiment = self.client.get_experiment_by_name(EXPERIMENT)
         experiment_id = (
             experiment.experiment_id
@@ -54,26 +49,17 @@ class MlflowTracker:
         )
         self.run_id = self.client.create_run(experiment_id, run_name=job_id).info.run_id
         self.client.set_tag(self.run_id, "rlnode.job_id", job_id)
-        self.lines: list[str] = []
         self.status = "RUNNING"
-        self.last_step = 0
 
     def log(self, event: JobEvent) -> None:
         self.status = STATUS.get(event.type, self.status)
-        metrics = metrics_of(event, self.last_step)
-        if metrics is None:
-            return
-        self.last_step = max(self.last_step, metrics.step)
-        millis = int(event.ts.timestamp() * 1000)
-        if metrics.scalars:
-            # MLflow's names allow "/" (its UI groups by them, as TensorBoard's does).
-            batch = [
-                self._metric(name, value, millis, metrics.step)
-                for name, value in metrics.scalars.items()
-            ]
-            self.client.log_batch(self.run_id, metrics=batch)
-        if metrics.text is not None:
-            self.lines.append(f"{event.ts.isoformat()} step {metrics.step} {metrics.text}")
+        super().log(event)
+
+    def write_scalars(self, step: int, scalars: dict[str, float], at: datetime) -> None:
+        # MLflow's names allow "/" (its UI groups by them, as TensorBoard's does).
+        millis = int(at.timestamp() * 1000)
+        batch = [self._metric(name, value, millis, step) for name, value in scalars.items()]
+        self.client.log_batch(self.run_id, metrics=batch)
 
     def close(self) -> None:
         if self.lines:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
+from types import ModuleType
 from typing import Protocol
 
 from rlnode.messages import JobEvent
@@ -10,6 +12,17 @@ from rlnode.messages import JobEvent
 
 class TrackerUnavailable(RuntimeError):
     """The tracker's library is not installed (the message says how to install it)."""
+
+
+def need(module: str, tracker: str, package: str) -> ModuleType:
+    """`module`, or TrackerUnavailable saying how to install it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as e:
+        raise TrackerUnavailable(
+            f"{tracker} needs {package} ({e}): pip install 'rlnode[trackers]' "
+            f"(or pip install {package})"
+        ) from None
 
 
 class Tracker(Protocol):

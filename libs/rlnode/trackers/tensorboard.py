@@ -3,36 +3,28 @@ torch's SummaryWriter (it needs the `tensorboard` package: pip install 'rlnode[t
 
 from __future__ import annotations
 
+from datetime import datetime
 from pathlib import Path
 
-from rlnode.messages import JobEvent
-from rlnode.trackers.metrics import metrics_of
-from rlnode.trackers.registry import TrackerUnavailable
+from rlnode.trackers.metrics import EventTracker
+from rlnode.trackers.registry import need
 
 
-class TensorBoardTracker:
+class TensorBoardTracker(EventTracker):
     def __init__(self, job_id: str, out: Path) -> None:
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-        except ImportError as e:
-            raise TrackerUnavailable(
-                f"TensorBoard needs its package ({e}): pip install 'rlnode[trackers]' "
-                "(or pip install tensorboard)"
-            ) from None
+        super().__init__()
+        need("tensorboard", "TensorBoard", "tensorboard")
+        from torch.utils.tensorboard import SummaryWriter
+
         self.run_dir = out / job_id
         self.writer = SummaryWriter(log_dir=str(self.run_dir))
-        self.last_step = 0
 
-    def log(self, event: JobEvent) -> None:
-        metrics = metrics_of(event, self.last_step)
-        if metrics is None:
-            return
-        self.last_step = max(self.last_step, metrics.step)
-        wall_time = event.ts.timestamp()
-        for name, value in metrics.scalars.items():
-            self.writer.add_scalar(name, value, metrics.step, walltime=wall_time)
-        if metrics.text is not None:
-            self.writer.add_text("events", metrics.text, metrics.step, walltime=wall_time)
+    def write_scalars(self, step: int, scalars: dict[str, float], at: datetime) -> None:
+        for name, value in scalars.items():
+            self.writer.add_scalar(name, value, step, walltime=at.timestamp())
+
+    def write_text(self, step: int, text: str, at: datetime) -> None:
+        self.writer.add_text("events", text, step, walltime=at.timestamp())
 
     def close(self) -> None:
         self.writer.close()

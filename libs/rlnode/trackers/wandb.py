@@ -6,48 +6,40 @@ dropped there. It needs `wandb` (pip install 'rlnode[trackers]')."""
 from __future__ import annotations
 
 import os
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from rlnode.messages import JobEvent, JobEventType
-from rlnode.trackers.metrics import metrics_of
-from rlnode.trackers.registry import TrackerUnavailable
+from rlnode.trackers.metrics import EventTracker
+from rlnode.trackers.registry import need
 
 PROJECT = "rlnode"
 EXIT_CODE = {JobEventType.COMPLETED: 0, JobEventType.FAILED: 1, JobEventType.CANCELLED: 1}
 
 
-class WandbTracker:
+class WandbTracker(EventTracker):
     def __init__(self, job_id: str, out: Path) -> None:
-        try:
-            import wandb
-        except ImportError as e:
-            raise TrackerUnavailable(
-                f"W&B needs its client ({e}): pip install 'rlnode[trackers]' (or pip install wandb)"
-            ) from None
+        super().__init__()
+        wandb = need("wandb", "W&B", "wandb")
         out.mkdir(parents=True, exist_ok=True)
         self.run: Any = wandb.init(
             project=PROJECT,
             name=job_id,
             dir=str(out),
-            mode=os.environ.get("WANDB_MODE", "offline"),  # type: ignore[arg-type]
+            mode=os.environ.get("WANDB_MODE", "offline"),
             config={"job_id": job_id},
             reinit="create_new",
         )
-        self.lines: list[str] = []
         self.exit_code = 0
-        self.last_step = 0
 
     def log(self, event: JobEvent) -> None:
         self.exit_code = EXIT_CODE.get(event.type, self.exit_code)
-        metrics = metrics_of(event, self.last_step)
-        if metrics is None:
-            return
-        if metrics.scalars and metrics.step >= self.last_step:
-            self.run.log(metrics.scalars, step=metrics.step)
-        self.last_step = max(self.last_step, metrics.step)
-        if metrics.text is not None:
-            self.lines.append(f"{event.ts.isoformat()} step {metrics.step} {metrics.text}")
+        super().log(event)
+
+    def write_scalars(self, step: int, scalars: dict[str, float], at: datetime) -> None:
+        if step >= self.last_step:  # W&B drops (with a warning) a step below its last
+            self.run.log(scalars, step=step)
 
     def close(self) -> None:
         self.run.summary["events"] = "\n".join(self.lines)
