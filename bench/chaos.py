@@ -30,7 +30,7 @@ from rlnode.examples import example_job
 from rlnode.models.build import init_tiny_model
 from rlnode.node import chaos
 from rlnode.node.local import LocalNode, NodeOptions, Org
-from rlnode.testing import unique_id
+from rlnode.testing import unique_id, wait_until
 
 TASK_APP = "copy"
 ACTIVE = ("accepted", "queued", "running")
@@ -133,7 +133,7 @@ def inject(node: LocalNode, orgs: list[Org], supervision: chaos.Supervision, arg
         killed_at = time.monotonic()
         time.sleep(1.0)  # let supervision see it before asking for health
         try:
-            chaos.wait_until(lambda: chaos.all_healthy(node), 120, f"healthy after {target}")
+            wait_until(lambda: chaos.all_healthy(node), 120, f"healthy after {target}")
             fault["survived"] = True
             fault["healthy_after_s"] = round(time.monotonic() - killed_at, 1)
         except TimeoutError:
@@ -196,7 +196,7 @@ def main() -> None:
         stop = threading.Event()
         watcher = threading.Thread(target=jobs.watch, args=(stop,), daemon=True)
         watcher.start()
-        chaos.wait_until(lambda: jobs.steps_trained > 0, 300, "the first step")
+        wait_until(lambda: jobs.steps_trained > 0, 300, "the first step")
         baseline = steps_in(jobs, args.baseline_s)
         jobs.longest_stall_s = 0.0  # the stalls under chaos, not the start's
         started = jobs.steps_trained
@@ -204,7 +204,7 @@ def main() -> None:
         faults = inject(node, orgs, supervision, args)
         under_chaos = (jobs.steps_trained - started) / (time.monotonic() - chaos_started) * 60
         jobs.starting = False  # let what runs finish
-        chaos.wait_until(
+        wait_until(
             lambda: all(r.get("status") not in ACTIVE for r in jobs.seen.values()),
             900,
             "every job finished",

@@ -13,6 +13,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -202,3 +203,14 @@ def readable_directory(prefix: str = "rlnode-shared-") -> Path:
     directory = Path(tempfile.mkdtemp(prefix=prefix))
     directory.chmod(0o755)
     return directory
+
+
+def wait_until(check, timeout_s: float, what: str, interval_s: float = 0.5):
+    """`check()`'s first truthy value within `timeout_s`, else TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = check()
+        if value:
+            return value
+        time.sleep(interval_s)
+    raise TimeoutError(f"not within {timeout_s:.0f}s: {what}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rlnode import testing
 from rlnode.examples import example_job
 from rlnode.messages import JobEvent, JobEventType
 from rlnode.models.build import init_tiny_model
@@ -56,7 +57,7 @@ def served(node: LocalNode, org: Org, job_id: str) -> list[int]:
 
 def wait_until(check, timeout_s: float, what: str, supervision: Supervision):
     try:
-        return chaos.wait_until(check, timeout_s, what)
+        return testing.wait_until(check, timeout_s, what)
     except TimeoutError as e:
         raise AssertionError(f"{e}; supervision: {supervision.said}") from None
 

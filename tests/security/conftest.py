@@ -13,7 +13,8 @@ import pytest
 from rlnode.examples import example_job
 from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions, Org
-from rlnode.testing import unique_id
+from rlnode.sdk.checkpoints import CheckpointClient
+from rlnode.testing import unique_id, wait_until
 
 VICTIM_KEY = "tk-victim-" + "5" * 24
 
@@ -56,4 +57,11 @@ def attacked(tmp_path_factory) -> Iterator[AttackedNode]:
                 return job_id
 
         victim_job = asyncio.run(run_victim_job())
+        # The checkpoint-server indexes from the events: the attacks start once it serves both.
+        with CheckpointClient(node.url("checkpoint-server"), victim.token) as server:
+            wait_until(
+                lambda: len(server.checkpoints(victim_job)) == 2,
+                60,
+                f"the checkpoint-server serving {victim_job}'s two checkpoints",
+            )
         yield AttackedNode(node, attacker, victim, victim_job, model, directory)

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import signal
 import threading
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -97,17 +96,6 @@ def all_healthy(node: LocalNode) -> bool:
         )
     except httpx.TransportError:
         return False
-
-
-def wait_until(check, timeout_s: float, what: str, interval_s: float = 0.5):
-    """`check()`'s first truthy value within `timeout_s`, else TimeoutError naming `what`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = check()
-        if value:
-            return value
-        time.sleep(interval_s)
-    raise TimeoutError(f"not within {timeout_s:.0f}s: {what}")
 
 
 def trained_once(
