@@ -10,7 +10,6 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,7 @@ from rlnode.examples import task_app_path
 from rlnode.node.processes import ServiceProcess
 from rlnode.sdk.gateway import GatewayClient, GatewayError
 from rlnode.service.registry import LEARNER, SERVICES_BY_NAME
-from rlnode.testing import ThreadedServer, readable_directory
+from rlnode.testing import ThreadedServer, readable_directory, wait_until
 from rlnode_services.learner.probe import task_app_probe
 from rlnode_services.learner.settings import LearnerSettings
 from tests.integration.fakes import misbehaving_taskapps, scripted_policy
@@ -142,16 +141,6 @@ def run(
         )
 
 
-def wait_for(predicate, within_s: float = 30.0, every_s: float = 0.1):
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    raise AssertionError(f"not true within {within_s}s")
-
-
 # -- managed Task Apps ------------------------------------------------------------------
 
 
@@ -209,7 +198,7 @@ def test_unregister_stops_the_process(node: Node) -> None:
         with pytest.raises(GatewayError) as info:
             gateway.get("short-lived")
         assert info.value.status == 404
-    wait_for(lambda: not _alive(pid), within_s=15)
+    wait_until(lambda: not _alive(pid), 15, f"pid {pid} gone", interval_s=0.1)
 
 
 def _alive(pid: int) -> bool:
@@ -235,7 +224,12 @@ def test_a_task_app_that_prints_its_key_has_it_blanked_out(node: Node) -> None:
     with node.client() as gateway:
         gateway.register("leaky", command=[sys.executable, str(leaky)])
         assert gateway.verify("leaky")["ok"]
-        output = wait_for(lambda: (text := gateway.logs("leaky")) and "my key is" in text and text)
+        output = wait_until(
+            lambda: (text := gateway.logs("leaky")) and "my key is" in text and text,
+            30,
+            "the Task App's line in its log",
+            interval_s=0.1,
+        )
     assert "my key is [REDACTED]" in output and node.key not in output
 
 

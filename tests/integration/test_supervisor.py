@@ -13,17 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlnode.testing import free_port_block, processes_with, run_rlnode
-
-
-def wait_for(check, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.5)
-    raise AssertionError(f"{what} within {timeout_s:g}s")
+from rlnode.testing import free_port_block, processes_with, run_rlnode, wait_until
 
 
 @pytest.mark.timeout(600)
@@ -43,7 +33,7 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_for(lambda: run_rlnode(env, "status").returncode == 0, 180, "the node is healthy")
+        wait_until(lambda: run_rlnode(env, "status").returncode == 0, 180, "the node is healthy")
         status = run_rlnode(env, "status").stdout
         for service in (
             "credential-vault",
@@ -72,7 +62,7 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
                 else None
             )
 
-        wait_for(learner_back, 120, "the learner is back")
+        wait_until(learner_back, 120, "the learner is back")
         said = (tmp_path / "up.log").read_text()
         assert "learner exited with code -9; starting it again" in said
         assert "learner started again" in said

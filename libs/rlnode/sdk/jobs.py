@@ -15,7 +15,7 @@ import asyncio
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -182,12 +182,7 @@ async def job_events(
         started = last_news = time.monotonic()
         seen = False
         while True:
-            for record in await reader.fetch():
-                event = _job_event(record.value)
-                if event is None or event.job_id != job_id:
-                    continue
-                if not await _from_a_service(verifier, record, event):
-                    continue
+            for event in await _verified(reader, verifier, lambda e: e.job_id == job_id):
                 last_news, seen = time.monotonic(), True
                 yield event
                 accepted = accepted or event.type is JobEventType.ACCEPTED
@@ -217,14 +212,23 @@ async def org_events(
     more until cancelled; without, stops at the end of what the topic holds now."""
     async with TopicReader(kafka, topics.JOB_EVENTS, service=service) as reader:
         while True:
-            for record in await reader.fetch():
-                event = _job_event(record.value)
-                if event is None or event.org_id != org_id:
-                    continue
-                if await _from_a_service(verifier, record, event):
-                    yield event
+            for event in await _verified(reader, verifier, lambda e: e.org_id == org_id):
+                yield event
             if not follow and reader.caught_up.is_set():
                 return
+
+
+async def _verified(
+    reader: TopicReader, verifier: RecordVerifier, wanted: Callable[[JobEvent], bool]
+) -> list[JobEvent]:
+    """The next fetch's job events that are `wanted` and come from a service that may
+    produce them (anyone who can write to the topic could forge one)."""
+    events = []
+    for record in await reader.fetch():
+        event = _job_event(record.value)
+        if event is not None and wanted(event) and await _from_a_service(verifier, record, event):
+            events.append(event)
+    return events
 
 
 async def _from_a_service(

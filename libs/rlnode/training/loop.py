@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import shutil
 import statistics
 import time
 import uuid
@@ -41,7 +40,12 @@ from rlnode.service.stores import job_dir
 from rlnode.training.breaker import Probe, TaskAppBreaker, TaskAppDown
 from rlnode.training.distributed import DataParallelTrainer
 from rlnode.training.grpo import group_advantages, samples_from
-from rlnode.training.storage import StoreWriteFailed, remove_temporaries, write_waiting_for_room
+from rlnode.training.storage import (
+    StoreWriteFailed,
+    free_bytes,
+    remove_temporaries,
+    write_waiting_for_room,
+)
 from rlnode.training.trainer import WEIGHT_DTYPES, TrainerConfig
 from rlnode.training.transport import JobTransport
 
@@ -346,8 +350,7 @@ class JobRunner:
             return self.root / "weights"
         assert self.trainer is not None
         size = self.trainer.model.num_parameters() * WEIGHT_DTYPES[self.weights_dtype].itemsize
-        existing = next(p for p in (self.weights_root, *self.weights_root.parents) if p.is_dir())
-        if shutil.disk_usage(existing).free > 2 * self._kept() * size:
+        if free_bytes(self.weights_root) > 2 * self._kept() * size:
             return job_dir(self.weights_root, self.org_id, self.job_id)
         return self.root / "weights"
 
