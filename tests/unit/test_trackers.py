@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import zlib
 from datetime import UTC, datetime, timedelta
 
 import pytest
 
 from rlnode.messages import JobEvent, JobEventType
+from rlnode.testing import wait_until
 from rlnode.trackers import metrics_of, open_tracker
 
 pytest.importorskip("tensorboard", reason="make setup installs it (the dev extra)")
@@ -128,38 +130,58 @@ def test_mlflow_holds_every_step_and_value_and_the_runs_end(tmp_path) -> None:
     assert "job.completed: completed 3 steps" in open(events).read()
 
 
+class PartialRunFile(AssertionError):
+    """A chunk cut short or failing its checksum: W&B's service is still writing the file."""
+
+
 def wandb_records(path):
     """The records of a W&B run file: after its 7-byte header (":W&B", magic, version),
-    LevelDB-log chunks in 32 KiB blocks (crc32, length, type; full, first, middle, last)."""
+    LevelDB-log chunks in 32 KiB blocks (crc32 of type and data, length, type; full, first,
+    middle, last), each checked."""
     data = path.read_bytes()
     assert data[:4] == b":W&B", "not a W&B run file"
-    position, block, parts = 7, 32768, []
+    position, block, parts, records = 7, 32768, [], []
     while position + 7 <= len(data):
         left = block - position % block
-        length, kind = (
+        checksum, length, kind = (
+            int.from_bytes(data[position : position + 4], "little"),
             int.from_bytes(data[position + 4 : position + 6], "little"),
             data[position + 6],
         )
         if left < 7 or (kind == 0 and length == 0):  # the block's padding
             position += left
             continue
-        parts.append(data[position + 7 : position + 7 + length])
+        chunk = data[position + 7 : position + 7 + length]
+        if len(chunk) < length or zlib.crc32(chunk, zlib.crc32(bytes([kind]))) != checksum:
+            raise PartialRunFile(
+                f"{path.name}: chunk at byte {position} of {len(data)} is cut short"
+            )
+        parts.append(chunk)
         position += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
-            yield b"".join(parts)
+            records.append(b"".join(parts))
             parts = []
+    return records
 
 
 def read_wandb_history(out) -> list[dict]:
     """The history rows of the one offline run under `out`, decoded with W&B's own record
-    schema (its Python reader of run files is gone since the Go core)."""
+    schema (its Python reader of run files is gone since the Go core). W&B's service may
+    still be writing the file's end when `finish` returns: read until it is whole."""
     import json
 
     from wandb.proto import wandb_internal_pb2
 
     (path,) = out.glob("wandb/offline-run-*/run-*.wandb")
+
+    def whole() -> list[bytes] | None:
+        try:
+            return wandb_records(path)
+        except PartialRunFile:
+            return None
+
     rows = []
-    for data in wandb_records(path):
+    for data in wait_until(whole, 30.0, what=f"{path} written whole"):
         record = wandb_internal_pb2.Record()
         record.ParseFromString(data)
         if record.WhichOneof("record_type") == "history":
