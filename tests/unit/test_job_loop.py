@@ -165,3 +165,81 @@ async def test_a_resumed_loop_reissues_the_same_work_and_trains_nothing_twice(ti
     assert len(second.runner.trained) == 0  # cleared by the final checkpoint
     # Weight versions keep rising across the restart (generators roll back to the checkpoint).
     assert second.transport.weights[0].version > first.transport.weights[-1].version
+
+
+def eval_config(model: Path, steps: int, **training) -> JobConfig:
+    job = config(model, steps=steps, **training)
+    evaluation = {"every": 2, "at_start": True, "seeds": {"start": 1000, "count": 3}, "samples": 2}
+    return JobConfig.model_validate(job.model_dump(mode="json") | {"eval": evaluation})
+
+
+async def test_eval_rounds_sample_their_steps_weights_and_are_never_trained(tiny_model, tmp_path):
+    loop = Loop(tiny_model, tmp_path, eval_config(tiny_model, steps=4, max_async=1))
+    await loop.run()
+    rounds = loop.events(JobEventType.EVAL_COMPLETED)
+    assert [r["step"] for r in rounds] == [0, 2, 4]
+    assert all(r["count"] + r["failed"] == 6 and len(r["per_seed"]) == 3 for r in rounds)
+    assert all({s["seed"] for s in r["per_seed"]} == {1000, 1001, 1002} for r in rounds)
+    # Each round sampled exactly the weights of its step: the version it names, published
+    # after that step (the starting model is version 0).
+    published = {w["version"]: w["step"] for w in loop.events(JobEventType.WEIGHTS_PUBLISHED)}
+    for r in rounds:
+        assert r["step"] == published.get(r["version"], 0)
+        turns = [
+            turn
+            for t in loop.delivered
+            if t.mode == "eval" and t.step == r["step"]
+            for turn in t.turns
+        ]
+        assert turns and {turn.policy_version for turn in turns} == {r["version"]}
+    # Eval rollouts ran the held-out seeds, and none was trained on.
+    evals = [t for t in loop.delivered if t.mode == "eval"]
+    assert {t.seed for t in evals} == {1000, 1001, 1002} and len(evals) == 18
+    root = tmp_path / "org" / "job-loop"
+    trained = set(trained_work_ids(root / "checkpoints"))
+    assert trained and not trained & {str(t.work_id) for t in evals}
+    assert all(t.seed < 1000 for t in loop.delivered if t.mode == "train")
+    # Evaluated steps are checkpointed (for <job>@best), and every round is recorded.
+    assert [c["step"] for c in loop.events(JobEventType.CHECKPOINT_SAVED)] == [2, 4]
+    assert sorted(p.name for p in (root / "evals").iterdir()) == [
+        "step-000000.json",
+        "step-000002.json",
+        "step-000004.json",
+    ]
+
+
+async def test_a_round_cut_short_by_a_restart_runs_again(tiny_model, tmp_path):
+    job = eval_config(tiny_model, steps=4, max_async=1)
+    first = Loop(tiny_model, tmp_path, job)
+    task = asyncio.create_task(first.run())
+    # The learner dies once step 3 is trained: after the checkpoint of step 2, whose round
+    # it had issued and waited for; but say that round's record was lost with the process.
+    first.runner.on_progress = lambda step: task.cancel() if step == 3 else None
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    root = tmp_path / "org" / "job-loop"
+    (root / "evals" / "step-000002.json").unlink()
+
+    second = Loop(tiny_model, tmp_path, job)
+    replayed = False
+
+    async def redeliver(_work) -> None:
+        nonlocal replayed
+        if not replayed:  # the trajectories of the first run come again
+            replayed = True
+            for trajectory in first.delivered:
+                second.runner.offer(trajectory)
+
+    second.transport.on_work.insert(0, redeliver)
+    await second.run()
+    assert [r["step"] for r in second.events(JobEventType.EVAL_COMPLETED)] == [2, 4]
+    assert len(list((root / "evals").iterdir())) == 3
+
+
+async def test_a_job_of_no_steps_evaluates_the_model_as_it_is(tiny_model, tmp_path):
+    loop = Loop(tiny_model, tmp_path, eval_config(tiny_model, steps=0))
+    await loop.run()
+    (only,) = loop.events(JobEventType.EVAL_COMPLETED)
+    assert only["step"] == 0 and only["version"] == 0 and only["count"] + only["failed"] == 6
+    assert not loop.events(JobEventType.TRAIN_STEP) and not loop.transport.weights
+    assert loop.runner.trainer is None  # nothing to train: no trainer loaded

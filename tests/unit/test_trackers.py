@@ -67,6 +67,35 @@ def test_the_mapping_places_batches_at_the_step_that_trains_them() -> None:
         JobEventType.WEIGHTS_PUBLISHED, 1, version=1, step=1, uri="file:///w", blake3="0"
     )
     assert metrics_of(published, last_step=1) is None
+    evaluated = event(
+        JobEventType.EVAL_COMPLETED,
+        2,
+        step=2,
+        version=2,
+        seeds=4,
+        samples_per_seed=2,
+        count=8,
+        failed=0,
+        reward_mean=0.75,
+        reward_std=0.25,
+        pass_at_1=0.5,
+        pass_at_k=0.75,
+        k=2,
+        pass_threshold=1.0,
+        temperature=0.0,
+        duration_s=1.5,
+        per_seed=[],
+    )
+    round_ = metrics_of(evaluated, last_step=3)
+    assert round_ is not None and round_.step == 2  # at the step evaluated, not the last seen
+    assert round_.scalars == {
+        "eval/reward_mean": 0.75,
+        "eval/reward_std": 0.25,
+        "eval/pass_at_1": 0.5,
+        "eval/pass_at_k": 0.75,
+        "eval/count": 8.0,
+        "eval/failed": 0.0,
+    }
 
 
 def test_tensorboard_holds_every_step_and_value(tmp_path) -> None:

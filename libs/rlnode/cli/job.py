@@ -1,4 +1,5 @@
-"""`rlnode job start|watch|list|status|cancel|plot|export`, `rlnode events`, `rlnode infer`.
+"""`rlnode job start|watch|eval|list|status|cancel|plot|export`, `rlnode events`,
+`rlnode infer`.
 
 Jobs go through the broker (KAFKA_BOOTSTRAP_SERVERS): requests to the learner, events back.
 Listings, metrics and inference come from the checkpoint-server (RLNODE_CHECKPOINT_URL). The
@@ -13,13 +14,16 @@ import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
 from pydantic import ValidationError
 
 from rlnode.bus.settings import KafkaSettings
-from rlnode.messages import JobEvent, JobEventType, ends_the_job
-from rlnode.sdk.checkpoints import CheckpointClient
-from rlnode.sdk.jobs import JobsClient, load_config, new_job_id
+from rlnode.messages import JobConfig, JobEvent, JobEventType, ends_the_job
+from rlnode.messages.config import EvalSeeds, EvalSpec
+from rlnode.messages.jobs import EvalCompletedData
+from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
+from rlnode.sdk.jobs import JobsClient, evaluation_job, load_config, new_job_id
 from rlnode.sdk.progress import QUIET, Progress, write_plot
 from rlnode.service.auth import AuthError, read_unverified
 from rlnode.service.registry import CHECKPOINT_SERVER, VAULT
@@ -107,13 +111,18 @@ def _cancel(args: argparse.Namespace) -> int:
 # -- watch ------------------------------------------------------------------------------------
 
 
-async def _follow(jobs: JobsClient, job_id: str, wait_first_s: float) -> int:
+async def _follow(
+    jobs: JobsClient, job_id: str, wait_first_s: float, seen: list[JobEvent] | None = None
+) -> int:
+    """Print the job's progress until it ends (`seen`: where its events go too)."""
     progress = Progress()
     accepted = False
     last: JobEvent | None = None
     try:
         async for event in jobs.events(job_id, wait_first_s=wait_first_s):
             last = event
+            if seen is not None:
+                seen.append(event)
             accepted = accepted or event.type is JobEventType.ACCEPTED
             if event.type is JobEventType.TRAIN_STEP:
                 progress.step(event)
@@ -141,6 +150,69 @@ def _watch(args: argparse.Namespace) -> int:
             return await _follow(jobs, args.job_id, wait_first_s=args.wait)
 
     return asyncio.run(run())
+
+
+def _seed_range(text: str) -> EvalSeeds:
+    start, colon, stop = text.partition(":")
+    try:
+        first, end = int(start), int(stop)
+    except ValueError:
+        first, end = 0, 0
+    if not colon or end <= first:
+        raise CliError(f"--seeds {text!r}: give START:STOP with STOP > START (STOP excluded)")
+    return EvalSeeds(start=first, count=end - first)
+
+
+def _eval(args: argparse.Namespace) -> int:
+    """Evaluate a checkpoint after the fact: a job of no training steps, on the checkpoint,
+    with the Task App and sampling of the job that made it (or of --config)."""
+    try:
+        spec = EvalSpec(
+            seeds=_seed_range(args.seeds),
+            samples=args.samples,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            pass_threshold=args.pass_threshold,
+        )
+        with _checkpoints(args) as server:
+            entry, state = server.checkpoint(args.model)
+    except ValidationError as e:
+        raise CliError(f"invalid evaluation: {e.errors()[0]['msg']}") from None
+    except CheckpointError as e:
+        raise CliError(str(e)) from None
+    if args.config:
+        source = _config(args.config)
+    elif "job_config" in state:
+        source = JobConfig.model_validate(state["job_config"])
+    else:
+        raise CliError(
+            f"checkpoint {entry['model']} does not record its job's config (it predates "
+            "rlnode job eval): pass the job's config file with --config"
+        )
+    # The learner loads it on this node (and refuses it unless it is the org's own).
+    config = evaluation_job(source, Path(unquote(urlparse(entry["uri"]).path)), spec)
+    job_id = args.job_id or new_job_id()
+
+    async def run() -> int:
+        seen: list[JobEvent] = []
+        async with _jobs(args) as jobs:
+            await jobs.start(config, job_id)
+            print(f"job {job_id} evaluates {entry['model']} on seeds {args.seeds}")
+            code = await _follow(jobs, job_id, wait_first_s=120.0, seen=seen)
+        rounds = [e for e in seen if e.type is JobEventType.EVAL_COMPLETED]
+        if code == 0 and rounds:
+            _show_round(rounds[-1].typed_data())
+        return code
+
+    return asyncio.run(run())
+
+
+def _show_round(data) -> None:
+    assert isinstance(data, EvalCompletedData)
+    print(f"{'SEED':>10} {'SAMPLES':>7} {'FAILED':>6} {'PASSED':>6}  REWARD")
+    for seed in data.per_seed:
+        reward = f"{seed.reward_mean:.4f}" if seed.reward_mean is not None else "-"
+        print(f"{seed.seed:>10} {seed.samples:>7} {seed.failed:>6} {seed.passed:>6}  {reward}")
 
 
 def _events(args: argparse.Namespace) -> int:
@@ -215,6 +287,8 @@ def _status(args: argparse.Namespace) -> int:
         print(f"reward     {r['reward_mean']:.4f}   loss {r['loss']:+.4f}")
     steps = r["checkpoints"]
     print(f"checkpoints {', '.join(map(str, steps)) if steps else 'none yet'}")
+    if r.get("best_checkpoint") is not None:
+        print(f"best eval  step {r['best_checkpoint']} ({r['job_id']}@best)")
     if steps:
         print(f'infer with: rlnode infer {r["job_id"]}@latest "your prompt"')
     return 0
@@ -223,8 +297,9 @@ def _status(args: argparse.Namespace) -> int:
 def _plot(args: argparse.Namespace) -> int:
     with _checkpoints(args) as server:
         rows = server.metrics(args.job_id)
+        evals = server.evals(args.job_id)
     out = Path(args.out or f"{args.job_id}.png")
-    write_plot(rows, out, title=f"{args.job_id}")
+    write_plot(rows, out, title=f"{args.job_id}", evals=evals)
     print(f"wrote {out.resolve()}")
     return 0
 
@@ -276,6 +351,28 @@ def register(commands: argparse._SubParsersAction) -> None:
         "--wait", type=float, default=30.0, help="seconds to wait for the first event"
     )
     watch.set_defaults(run=_watch)
+    evaluate = sub.add_parser(
+        "eval",
+        parents=[server, vault],
+        help="evaluate a checkpoint (JOB@STEP, @latest or @best) on held-out seeds",
+    )
+    evaluate.add_argument("model", metavar="JOB@STEP")
+    evaluate.add_argument(
+        "--seeds", required=True, help="START:STOP, the Task App seeds (STOP excluded)"
+    )
+    evaluate.add_argument("--samples", type=int, default=1, help="per seed (above 1: pass@k)")
+    evaluate.add_argument("--temperature", type=float, default=0.0)
+    evaluate.add_argument(
+        "--max-tokens", type=int, default=None, help="default: the job's sampling.max_tokens"
+    )
+    evaluate.add_argument(
+        "--pass-threshold", type=float, default=1.0, help="a sample passes at this reward"
+    )
+    evaluate.add_argument(
+        "--config", default=None, help="the job's config (for checkpoints that lack it)"
+    )
+    evaluate.add_argument("--job-id", default=None, help="default: a new job-<hex> id")
+    evaluate.set_defaults(run=_eval)
     export = sub.add_parser(
         "export", parents=[vault], help="replay a job's events into an experiment tracker"
     )

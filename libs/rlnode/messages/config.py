@@ -71,9 +71,52 @@ class BreakerSpec(StrictModel):
     )
 
 
+class EvalSeeds(StrictModel):
+    """Held-out Task App seeds: `start`, `start+1`, ... (`count` of them)."""
+
+    start: int = 1_000_000
+    count: PositiveInt = Field(16, le=4096)
+
+    @property
+    def range(self) -> range:
+        return range(self.start, self.start + self.count)
+
+
+class EvalSpec(StrictModel):
+    """Evaluation while training: every `every` steps (and after the last one) the held-out
+    seeds run through the Task App with `mode: "eval"` on the weights of that step, and are
+    not trained on; each round ends in an `eval.completed` event, and `<job>@best` names the
+    checkpoint of the best round. Off while `every` is 0 (unless the job trains no steps)."""
+
+    every: NonNegativeInt = Field(
+        0, le=10_000_000, description="Steps between evaluations (0: off)."
+    )
+    at_start: bool = Field(False, description="Evaluate the starting model too (step 0).")
+    seeds: EvalSeeds = Field(default_factory=EvalSeeds)
+    samples: PositiveInt = Field(
+        1, le=1024, description="Samples per seed; above 1 the event carries pass@k."
+    )
+    temperature: float = Field(0.0, ge=0.0, le=10.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_tokens: PositiveInt | None = Field(
+        None, le=131_072, description="Defaults to sampling.max_tokens."
+    )
+    pass_threshold: float = Field(
+        1.0, description="A sample passes when its reward is at least this (for pass@k)."
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0 or self.at_start
+
+
 class TrainingSpec(StrictModel):
     algorithm: Literal["grpo"] = "grpo"
-    steps: PositiveInt = Field(50, le=10_000_000)
+    steps: NonNegativeInt = Field(
+        50,
+        le=10_000_000,
+        description="Optimizer steps; 0 only evaluates the model (needs an [eval] section).",
+    )
     prompts_per_step: PositiveInt = Field(8, le=65_536)
     group_size: int = Field(4, ge=2, le=1024, description="Samples per prompt (GRPO needs >= 2).")
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
@@ -131,6 +174,44 @@ class JobConfig(StrictModel):
     training: TrainingSpec = Field(default_factory=TrainingSpec)
     seeds: SeedSpec = Field(default_factory=SeedSpec)
     topology: TopologySpec = Field(default_factory=TopologySpec)
+    eval: EvalSpec | None = Field(None, description="Held-out evaluation while training.")
+
+    def eval_steps(self) -> list[int]:
+        """The steps after which the model is evaluated, in order."""
+        spec, steps = self.eval, self.training.steps
+        if spec is None:
+            return []
+        due = {steps} if spec.every or steps == 0 else set()
+        if spec.at_start:
+            due.add(0)
+        if spec.every:
+            due.update(range(spec.every, steps + 1, spec.every))
+        return sorted(due)
+
+    def training_seeds(self) -> range:
+        """The seeds training visits (it wraps around a bounded `seeds` range)."""
+        visits = self.training.steps * self.training.prompts_per_step
+        if self.seeds.count is not None:
+            visits = min(visits, self.seeds.count)
+        return range(self.seeds.start, self.seeds.start + visits)
+
+    @model_validator(mode="after")
+    def _eval_is_held_out(self) -> JobConfig:
+        if self.training.steps == 0 and self.eval is None:
+            raise ValueError(
+                "training.steps = 0 trains nothing: add an [eval] section to evaluate the "
+                "model, or train at least one step"
+            )
+        if self.eval is not None:
+            seen, held = self.training_seeds(), self.eval.seeds.range
+            first, last = max(seen.start, held.start), min(seen.stop, held.stop)
+            if first < last:
+                raise ValueError(
+                    f"eval.seeds {held.start}..{held.stop - 1} overlap the seeds training "
+                    f"visits ({seen.start}..{seen.stop - 1}), so they are not held out: move "
+                    "eval.seeds.start past them, or bound training with seeds.count"
+                )
+        return self
 
     @model_validator(mode="after")
     def _kl_needs_reference(self) -> JobConfig:

@@ -66,6 +66,7 @@ class JobEventType(StrEnum):
     WEIGHTS_LOADED = "weights.loaded"
     WEIGHTS_REFUSED = "weights.refused"
     CHECKPOINT_SAVED = "checkpoint.saved"
+    EVAL_COMPLETED = "eval.completed"
     PAUSED = "job.paused"
     RESUMED = "job.resumed"
     COMPLETED = "job.completed"
@@ -106,7 +107,9 @@ class EndedData(ReasonData):
 
 
 class AcceptedData(EventData):
-    steps: PositiveInt = Field(description="Training steps the job will take.")
+    steps: NonNegativeInt = Field(
+        description="Training steps the job will take (0: it only evaluates)."
+    )
 
 
 class CompletedData(EventData):
@@ -177,6 +180,38 @@ class CheckpointSavedData(EventData):
     final: bool = False
 
 
+class SeedEval(EventData):
+    seed: int
+    samples: NonNegativeInt = Field(description="Samples that ran (failed ones excluded).")
+    failed: NonNegativeInt
+    reward_mean: FiniteFloat | None
+    passed: NonNegativeInt = Field(description="Samples whose reward reached the threshold.")
+
+
+class EvalCompletedData(EventData):
+    """One evaluation round: the held-out seeds on the weights of `step`, not trained on."""
+
+    step: NonNegativeInt = Field(description="Training steps behind the weights evaluated.")
+    version: NonNegativeInt = Field(description="The weight version the rollouts sampled from.")
+    seeds: PositiveInt
+    samples_per_seed: PositiveInt
+    count: NonNegativeInt = Field(description="Rollouts that ran.")
+    failed: NonNegativeInt
+    reward_mean: FiniteFloat | None = Field(description="Over the rollouts that ran.")
+    reward_std: FiniteFloat | None
+    pass_at_1: FiniteFloat | None = Field(
+        description="Expected share of seeds a single sample passes (reward >= threshold)."
+    )
+    pass_at_k: FiniteFloat | None = Field(
+        None, description="Share of seeds with a passing sample among k (k = samples > 1)."
+    )
+    k: PositiveInt
+    pass_threshold: FiniteFloat
+    temperature: NonNegativeFloat
+    duration_s: NonNegativeFloat
+    per_seed: list[SeedEval] = Field(default_factory=list)
+
+
 class PausedData(EventData):
     """The Task App circuit breaker tripped (training.breaker): the job trains no further
     step and issues no new work until its Task App answers the probe."""
@@ -230,6 +265,7 @@ EVENT_DATA: dict[JobEventType, type[EventData]] = {
     JobEventType.WEIGHTS_LOADED: WeightsLoadedData,
     JobEventType.WEIGHTS_REFUSED: WeightsRefusedData,
     JobEventType.CHECKPOINT_SAVED: CheckpointSavedData,
+    JobEventType.EVAL_COMPLETED: EvalCompletedData,
     JobEventType.PAUSED: PausedData,
     JobEventType.RESUMED: ResumedData,
 }

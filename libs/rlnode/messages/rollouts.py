@@ -17,6 +17,10 @@ from pydantic import (
 from rlnode.messages.base import Envelope, StrictModel
 from rlnode.messages.config import ModelSpec, SamplingSpec, TaskAppSpec
 
+# "train": a rollout of a training batch; "eval": of a held-out evaluation round, run with
+# the Task App's mode "eval" and never trained on.
+RolloutMode = Literal["train", "eval"]
+
 
 class RolloutWork(Envelope):
     """One rollout to run: sample `sample_index` of the group for `seed` in training `step`."""
@@ -33,6 +37,7 @@ class RolloutWork(Envelope):
     model: ModelSpec
     task_app: TaskAppSpec
     sampling: SamplingSpec
+    mode: RolloutMode = "train"
 
     @model_validator(mode="after")
     def _index_in_group(self) -> RolloutWork:
@@ -96,6 +101,7 @@ class Trajectory(Envelope):
     group_id: str = Field(min_length=1, max_length=200)
     seed: int
     sample_index: NonNegativeInt
+    mode: RolloutMode = "train"
     status: Literal["ok", "failed"]
     turns: list[TokenTurn] = Field(default_factory=list)
     reward: FiniteFloat | None = Field(None, description="Episode return.")

@@ -35,8 +35,26 @@ class CheckpointClient(ApiClient):
         text = self._request("GET", f"/v1/jobs/{job_id}/metrics")
         return [json.loads(line) for line in str(text).splitlines() if line.strip()]
 
+    def evals(self, job_id: str) -> list[dict]:
+        """The job's evaluation rounds (eval.completed), by step."""
+        return self._request("GET", f"/v1/jobs/{job_id}/evals")
+
     def checkpoints(self, job_id: str | None = None) -> list[dict]:
         return self._request("GET", "/v1/checkpoints", params={"job": job_id} if job_id else None)
+
+    def checkpoint(self, model: str) -> tuple[dict, dict]:
+        """A checkpoint (`<job>@<step>`, `@latest` or `@best`): its listing entry (step, uri)
+        and the trainer state saved with it (step, and the job's config where it has one)."""
+        job_id, _, which = model.rpartition("@")
+        if not job_id:
+            raise CheckpointError(400, f"{model!r} is not '<job_id>@<step|latest|best>'")
+        state = json.loads(
+            self._send("GET", f"/v1/checkpoints/{job_id}/{which}/files/trainer_state.json").text
+        )
+        entry = next((c for c in self.checkpoints(job_id) if c["step"] == state["step"]), None)
+        if entry is None:
+            raise CheckpointError(404, f"checkpoint {job_id}@{state['step']} is not listed")
+        return entry, state
 
     def models(self) -> list[str]:
         return [m["id"] for m in self._request("GET", "/v1/models")["data"]]

@@ -25,6 +25,7 @@ from rlnode.bus.settings import KafkaSettings
 from rlnode.bus.signing import RecordRefused, RecordVerifier
 from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, ends_the_job, topics
 from rlnode.messages.codec import DecodeError, decode
+from rlnode.messages.config import EvalSpec
 from rlnode.sdk.http import service_url
 from rlnode.sdk.vault import VaultClient
 from rlnode.service.auth import VaultTokenVerifier
@@ -46,6 +47,18 @@ class JobError(RuntimeError):
 
 def new_job_id() -> str:
     return f"job-{uuid.uuid4().hex[:12]}"
+
+
+def evaluation_job(config: JobConfig, checkpoint: Path, spec: EvalSpec) -> JobConfig:
+    """A job that trains nothing and evaluates `checkpoint` (a directory in HF format, such
+    as one of the org's checkpoints) as `spec` says, with the Task App and sampling of
+    `config` (the config of the job that made it)."""
+    data = config.model_dump(mode="json")
+    data["name"] = f"eval of {checkpoint.name}" + (f" ({config.name})" if config.name else "")
+    data["model"] = {**data["model"], "source": str(checkpoint), "tokenizer": None}
+    data["training"] = {**data["training"], "steps": 0}
+    data["eval"] = spec.model_dump(mode="json")
+    return JobConfig.model_validate(data)
 
 
 def load_config(path: Path) -> JobConfig:

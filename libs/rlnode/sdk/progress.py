@@ -62,8 +62,9 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def write_plot(rows: list[dict], out: Path, title: str) -> Path:
-    """Reward (mean ± std) and loss against step, as a PNG."""
+def write_plot(rows: list[dict], out: Path, title: str, evals: list[dict] | None = None) -> Path:
+    """Reward (mean ± std) and loss against step, as a PNG; held-out evaluation rounds
+    (`evals`: their step and reward_mean) as points beside the training reward."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -73,7 +74,7 @@ def write_plot(rows: list[dict], out: Path, title: str) -> Path:
     reward = [r["reward_mean"] for r in rows]
     spread = [r.get("reward_std", 0.0) for r in rows]
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(8, 6), sharex=True)
-    top.plot(steps, reward, color="tab:blue")
+    top.plot(steps, reward, color="tab:blue", label="training rollouts")
     top.fill_between(
         steps,
         [m - s for m, s in zip(reward, spread, strict=True)],
@@ -81,6 +82,16 @@ def write_plot(rows: list[dict], out: Path, title: str) -> Path:
         color="tab:blue",
         alpha=0.15,
     )
+    points = [(e["step"], e["reward_mean"]) for e in evals or [] if e["reward_mean"] is not None]
+    if points:
+        top.plot(
+            [s for s, _ in points],
+            [r for _, r in points],
+            "o--",
+            color="tab:orange",
+            label="held-out eval",
+        )
+        top.legend(loc="best")
     top.set_ylabel("reward (mean ± std)")
     top.set_title(title)
     bottom.plot(steps, [r["loss"] for r in rows], color="tab:red")

@@ -38,6 +38,7 @@ def rollout_request(work: RolloutWork, rollout_id: str, inference_url: str) -> R
         ),
         safety=RolloutSafetyConfig(max_time_s=work.task_app.rollout_timeout_s),
         training_session_id=work.job_id,
+        mode="eval" if work.mode == "eval" else "rl",
     )
 
 
@@ -80,6 +81,7 @@ def trajectory(
         group_id=work.group_id,
         seed=work.seed,
         sample_index=work.sample_index,
+        mode=work.mode,
         duration_s=time.monotonic() - started,
         turns=turns,
         **fields,

@@ -10,6 +10,8 @@ from rlnode.messages import JobEvent, JobEventType
 
 # Fields that place an event, not measure it.
 NOT_SCALARS = frozenset({"step", "total_steps", "world_size"})
+# What an evaluation round adds up to (its per-seed table stays in the event).
+EVAL_SCALARS = ("reward_mean", "reward_std", "pass_at_1", "pass_at_k", "count", "failed")
 TEXT_EVENTS = frozenset(
     {
         JobEventType.ACCEPTED,
@@ -34,14 +36,18 @@ class Metrics:
 
 def metrics_of(event: JobEvent, last_step: int) -> Metrics | None:
     """`train.step`: every number it carries as `train/<name>` at its step; `rollout.batch`:
-    `rollouts/count`, `rollouts/failed` and the reward at the step it is trained in; the
-    lifecycle events: a line of text at the last step seen. None for the rest."""
+    `rollouts/count`, `rollouts/failed` and the reward at the step it is trained in;
+    `eval.completed`: `eval/<name>` at the step evaluated; the lifecycle events: a line of
+    text at the last step seen. None for the rest."""
     data = event.data
     if event.type is JobEventType.TRAIN_STEP:
         return Metrics(data["step"], _scalars("train", data))
     if event.type is JobEventType.ROLLOUT_BATCH:
         # Its `step` counts from 0: the batch of step index s is trained as step s + 1.
         return Metrics(data["step"] + 1, _scalars("rollouts", data))
+    if event.type is JobEventType.EVAL_COMPLETED:
+        chosen = {name: data.get(name) for name in EVAL_SCALARS}
+        return Metrics(data["step"], _scalars("eval", chosen))
     if event.type in TEXT_EVENTS:
         return Metrics(last_step, text=f"{event.type.value}: {event.message}")
     return None

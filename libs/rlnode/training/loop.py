@@ -1,6 +1,7 @@
 """One job's training loop: issue rollout work at most `max_async` policy versions ahead,
 gather each step's trajectories (deduplicated by work id), take a GRPO step, publish
-weights and checkpoints, and report every step as a job event.
+weights and checkpoints, evaluate on held-out seeds where the job asks (its rounds are in
+rlnode.training.evaluation), and report every step as a job event.
 
 The loop knows no wire: records leave through a `JobTransport` (the bus in the learner,
 memory in tests and benchmarks) and trajectories arrive through `offer`, from whoever
@@ -39,6 +40,14 @@ from rlnode.service.registry import LEARNER
 from rlnode.service.stores import job_dir
 from rlnode.training.breaker import Probe, TaskAppBreaker, TaskAppDown
 from rlnode.training.distributed import DataParallelTrainer
+from rlnode.training.evaluation import (
+    EvalRound,
+    eval_message,
+    eval_work,
+    record_round,
+    recorded_rounds,
+    summarise,
+)
 from rlnode.training.grpo import group_advantages, samples_from
 from rlnode.training.storage import (
     StoreWriteFailed,
@@ -127,18 +136,37 @@ class JobRunner:
         self.breaker = (
             TaskAppBreaker(t.breaker, config.task_app.name, probe) if probe is not None else None
         )
+        # Evaluation rounds (the job's [eval]): the steps due, those recorded in the job's
+        # directory, those running, and trajectories of a round not (again) issued yet
+        # (read back after a restart before the round is issued again).
+        self.eval_steps = frozenset(config.eval_steps())
+        self.evaluated: set[int] = set()
+        self.evals: dict[int, EvalRound] = {}
+        self.early_evals: dict[int, dict[uuid.UUID, Trajectory]] = defaultdict(dict)
 
     # -- trajectories in ------------------------------------------------------------------
 
     def offer(self, trajectory: Trajectory) -> None:
         """A trajectory of this job arrived (possibly again)."""
+        if trajectory.mode == "eval":
+            self._offer_eval(trajectory)
+            return
         if trajectory.step < self.step or str(trajectory.work_id) in self.trained:
             return  # already trained on this step
         self.buffer[trajectory.step].setdefault(trajectory.work_id, trajectory)
         self.arrived.set()
 
+    def _offer_eval(self, trajectory: Trajectory) -> None:
+        if trajectory.step in self.evaluated or trajectory.step not in self.eval_steps:
+            return
+        running = self.evals.get(trajectory.step)
+        results = running.results if running else self.early_evals[trajectory.step]
+        results.setdefault(trajectory.work_id, trajectory)
+        self.arrived.set()
+
     def settled(self, trajectory_step: int) -> bool:
-        """Whether a trajectory of this step is covered by a durable checkpoint."""
+        """Whether a trajectory of this step is covered by a durable checkpoint (an
+        evaluation round is recorded before any later checkpoint is saved)."""
         return trajectory_step <= self.checkpointed_step
 
     def cancel(self, reason: str | None = None) -> None:
@@ -149,6 +177,9 @@ class JobRunner:
 
     async def run(self) -> None:
         t = self.config.training
+        if t.steps == 0:
+            await self._evaluate_only()
+            return
         self.trainer = await asyncio.to_thread(
             DataParallelTrainer,
             self.config.model.source,
@@ -176,6 +207,8 @@ class JobRunner:
         if resumed:
             self.version = max([self.version, *self._published_versions()])
             await self._publish_weights()
+        # The starting model (eval.at_start), or a round a restart cut short.
+        await self._start_eval(self.step)
         for step in range(self.step, min(self.step + t.max_async, t.steps - 1) + 1):
             await self._issue(step)
         while self.step < t.steps:
@@ -189,15 +222,60 @@ class JobRunner:
             wait_s = time.perf_counter() - waited_from
             await self._train(self.step, trajectories, wait_s)
             await self._pause_while_failing(trajectories)
-            if self.step % t.weight_sync_every == 0:
+            # A step to evaluate gets its weights published (the round samples them) and a
+            # checkpoint (which <job>@best serves).
+            evaluate = self.step in self.eval_steps
+            if self.step % t.weight_sync_every == 0 or evaluate:
                 await self._publish_weights()
             # After publishing: the new work is tagged with the version it may be sampled
             # from at the earliest, which bounds its staleness by max_async.
             if self.step + t.max_async < t.steps:
                 await self._issue(self.step + t.max_async)
-            if self.step % t.checkpoint_every == 0 or self.step == t.steps:
+            if self.step % t.checkpoint_every == 0 or self.step == t.steps or evaluate:
                 await self._checkpoint(final=self.step == t.steps)
+            await self._start_eval(self.step)
             self.on_progress(self.step)
+        await self._finish_evals()
+
+    async def _evaluate_only(self) -> None:
+        """A job of no training steps: one round on the model as it is (weight version 0,
+        which the generators load from model.source)."""
+        self.evaluated = await asyncio.to_thread(recorded_rounds, self.root)
+        spec = self.config.eval
+        assert spec is not None, "JobConfig refuses 0 steps without [eval]"
+        await self._event(
+            JobEventType.STARTED,
+            f"evaluating {self.config.model.source} on {spec.seeds.count} held-out seeds",
+        )
+        await self._start_eval(0)
+        await self._finish_evals()
+
+    # -- evaluation ---------------------------------------------------------------------------
+
+    async def _start_eval(self, step: int) -> None:
+        """Issue the round of `step` on the newest weights, if one is due and not recorded;
+        training goes on while it runs."""
+        if step not in self.eval_steps or step in self.evaluated or step in self.evals:
+            return
+        work = eval_work(self.job_id, self.org_id, self.config, step, self.version)
+        round_ = EvalRound(step, self.version, expected=len(work))
+        round_.results.update(self.early_evals.pop(step, {}))
+        self.evals[step] = round_
+        await self.transport.publish_work(work)
+
+    async def _finish_evals(self) -> None:
+        """Wait for the running rounds, then report and record each (reported first: a
+        crash in between runs the round again, and the event says the same twice)."""
+        spec = self.config.eval
+        for step in sorted(self.evals):
+            round_ = self.evals[step]
+            await self._wait_for_round(round_)
+            assert spec is not None, "a round runs only for a job with [eval]"
+            data = summarise(round_, spec)
+            await self._event(JobEventType.EVAL_COMPLETED, eval_message(data), data)
+            await asyncio.to_thread(record_round, self.root, data)
+            self.evaluated.add(step)
+            del self.evals[step]
 
     async def _pause_while_failing(self, trajectories: list[Trajectory]) -> None:
         """The Task App breaker (rlnode.training.breaker): after the step that trips it,
@@ -219,11 +297,22 @@ class JobRunner:
         else:
             await self._event(JobEventType.RESUMED, self.breaker.resumed_message(resumed), resumed)
 
+    async def _wait_for_round(self, round_: EvalRound) -> None:
+        await self._wait_until(
+            lambda: round_.complete,
+            round_.started + self.step_timeout_s,
+            lambda: (
+                f"the evaluation of step {round_.step} got {len(round_.results)} of "
+                f"{round_.expected} rollouts in {self.step_timeout_s:g}s: are "
+                "rollout-generators running and healthy?"
+            ),
+        )
+
     async def _stop_for_cancel(self) -> None:
         """Keep what was learned: a checkpoint of the steps taken (the run can be served or
-        looked at like any other), then stop."""
+        looked at like any other), then stop (leaving running evaluation rounds)."""
         if self.step > 0 and self.checkpointed_step < self.step - 1:
-            await self._checkpoint(final=False)
+            await self._checkpoint(final=False, after_evals=False)
         raise JobCancelled
 
     async def _issue(self, step: int) -> None:
@@ -255,16 +344,27 @@ class JobRunner:
         self.issued = step
 
     async def _gather(self, step: int) -> list[Trajectory]:
-        deadline = time.monotonic() + self.step_timeout_s
-        while len(self.buffer[step]) < self.per_step:
+        await self._wait_until(
+            lambda: len(self.buffer[step]) >= self.per_step,
+            time.monotonic() + self.step_timeout_s,
+            lambda: (
+                f"step {step} got {len(self.buffer[step])} of {self.per_step} trajectories in "
+                f"{self.step_timeout_s:g}s: are rollout-generators running and healthy?"
+            ),
+        )
+        return list(self.buffer.pop(step).values())
+
+    async def _wait_until(
+        self, done: Callable[[], bool], deadline: float, timed_out: Callable[[], str]
+    ) -> None:
+        """Until `done()` as trajectories arrive; JobFailed past the (monotonic) deadline,
+        JobCancelled on a cancel."""
+        while not done():
             if self.cancelled.is_set():
                 raise JobCancelled
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise JobFailed(
-                    f"step {step} got {len(self.buffer[step])} of {self.per_step} trajectories in "
-                    f"{self.step_timeout_s:g}s: are rollout-generators running and healthy?"
-                )
+                raise JobFailed(timed_out())
             self.arrived.clear()
             cancel = asyncio.ensure_future(self.cancelled.wait())
             arrive = asyncio.ensure_future(self.arrived.wait())
@@ -273,7 +373,6 @@ class JobRunner:
             )
             cancel.cancel()
             arrive.cancel()
-        return list(self.buffer.pop(step).values())
 
     async def _train(self, step: int, trajectories: list[Trajectory], wait_s: float) -> None:
         assert self.trainer is not None
@@ -364,6 +463,8 @@ class JobRunner:
 
     async def _publish_weights(self) -> None:
         assert self.trainer is not None
+        # A running evaluation round samples the newest weights: they stay until it is in.
+        await self._finish_evals()
         version = self.version + 1
         path = self._weights_path(version)
         trainer = self.trainer
@@ -400,8 +501,12 @@ class JobRunner:
         ids = self.trainer.tokenizer("The parity probe: 0123456789 abcdefghij")["input_ids"]
         return list(ids[:32]) if len(ids) >= 2 else [0, 1]
 
-    async def _checkpoint(self, final: bool) -> None:
+    async def _checkpoint(self, final: bool, after_evals: bool = True) -> None:
+        """`after_evals`: first wait for the running evaluation rounds, so that the
+        trajectories this checkpoint settles include theirs only once they are recorded."""
         assert self.trainer is not None
+        if after_evals:
+            await self._finish_evals()
         path = self.root / "checkpoints" / f"step-{self.step:06d}"
         state = {
             "job_id": self.job_id,
@@ -412,6 +517,8 @@ class JobRunner:
             "trained_work_ids": sorted(self.trained),
             "previous_checkpoint_step": self.checkpointed_step + 1,
             "final": final,
+            # What `rlnode job eval` runs a checkpoint with (its Task App, its sampling).
+            "job_config": self.config.model_dump(mode="json"),
         }
         trainer = self.trainer
         await self._write(
@@ -464,6 +571,7 @@ class JobRunner:
             if (self.root / "checkpoints").exists()
             else []
         )
+        self.evaluated = await asyncio.to_thread(recorded_rounds, self.root)
         if not checkpoints:
             return False
         assert self.trainer is not None

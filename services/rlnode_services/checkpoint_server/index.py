@@ -1,5 +1,6 @@
-"""Indexing the topics: checkpoints (from `checkpoint.saved` events), weight versions, and a
-per-job summary; every `train.step` is also appended to the job's metrics.jsonl.
+"""Indexing the topics: checkpoints (from `checkpoint.saved` events), evaluation rounds
+(`eval.completed`), weight versions, and a per-job summary; every `train.step` is also
+appended to the job's metrics.jsonl.
 
 Replays are harmless: records are upserted by key, and a metrics line is written only for a
 step beyond the last one written."""
@@ -14,9 +15,15 @@ from sqlalchemy.engine import Engine
 
 from rlnode.bus import Delivery
 from rlnode.messages import ENDED_STATUSES, JobEvent, JobEventType, WeightVersion, utc_now
+from rlnode.messages.jobs import EvalCompletedData
 from rlnode.service.db import session_scope
 from rlnode.service.stores import job_dir, path_in_job_store
-from rlnode_services.checkpoint_server.store import CheckpointRecord, JobSummary, WeightRecord
+from rlnode_services.checkpoint_server.store import (
+    CheckpointRecord,
+    EvalRecord,
+    JobSummary,
+    WeightRecord,
+)
 
 log = logging.getLogger("checkpoint_server.index")
 
@@ -46,6 +53,8 @@ class Indexer:
     async def on_event(self, event: JobEvent, _delivery: Delivery) -> None:
         if event.type is JobEventType.CHECKPOINT_SAVED:
             self._checkpoint(event)
+        if event.type is JobEventType.EVAL_COMPLETED:
+            self._evaluation(event)
         self._summarise(event)
 
     async def on_weights(self, version: WeightVersion, _delivery: Delivery) -> None:
@@ -92,6 +101,28 @@ class Indexer:
                     org_id=event.org_id,
                     uri=uri,
                     final=bool(event.data.get("final", False)),
+                    created_at=event.ts,
+                )
+            )
+
+    def _evaluation(self, event: JobEvent) -> None:
+        data = event.typed_data()
+        assert isinstance(data, EvalCompletedData), "JobEvent checks data against its type"
+        with session_scope(self.engine) as s:
+            s.merge(
+                EvalRecord(
+                    job_id=event.job_id,
+                    step=data.step,
+                    org_id=event.org_id,
+                    version=data.version,
+                    seeds=data.seeds,
+                    samples_per_seed=data.samples_per_seed,
+                    count=data.count,
+                    failed=data.failed,
+                    reward_mean=data.reward_mean,
+                    reward_std=data.reward_std,
+                    pass_at_1=data.pass_at_1,
+                    pass_at_k=data.pass_at_k,
                     created_at=event.ts,
                 )
             )

@@ -111,7 +111,23 @@ def listing_routes(db: Engine, root: Path, checkpoints: Checkpoints) -> APIRoute
         row = job_summary(db, claims, job_id)
         with Session(db) as s:
             ckpts = s.exec(select(CheckpointRecord).where(CheckpointRecord.job_id == job_id)).all()
-        return {**_summary(row), "checkpoints": sorted(c.step for c in ckpts)}
+        best = None
+        if ckpts:
+            try:
+                best = checkpoints.best(org_of(claims), job_id, list(ckpts)).step
+            except ModelProblem:
+                best = None  # no round evaluated a checkpoint (yet)
+        return {
+            **_summary(row),
+            "checkpoints": sorted(c.step for c in ckpts),
+            "best_checkpoint": best,
+        }
+
+    @router.get("/v1/jobs/{job_id}/evals", tags=["jobs"])
+    async def evaluations(claims: Caller, job_id: str) -> list[dict[str, Any]]:
+        """The job's evaluation rounds (eval.completed), by step."""
+        job_summary(db, claims, job_id)
+        return [e.listed() for e in checkpoints.evaluations(org_of(claims), job_id)]
 
     @router.get("/v1/jobs/{job_id}/metrics", tags=["jobs"])
     async def metrics(claims: Caller, job_id: str) -> FileResponse:

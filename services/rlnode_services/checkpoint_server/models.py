@@ -1,4 +1,5 @@
-"""Resolving `<job_id>@<step>` / `<job_id>@latest` to a checkpoint of the caller's org, and
+"""Resolving `<job_id>@<step>`, `<job_id>@latest` and `<job_id>@best` (the checkpoint of the
+job's best evaluation round) to a checkpoint of the caller's org, and
 keeping loaded checkpoints in an LRU cache bounded by memory. A checkpoint loads on its first
 request, into the same batched engine the rollout-generators use."""
 
@@ -15,7 +16,7 @@ from sqlmodel import Session, col, select
 from rlnode.engine.torch_engine import TorchEngine
 from rlnode_services.checkpoint_server.index import local_path
 from rlnode_services.checkpoint_server.settings import CheckpointServerSettings
-from rlnode_services.checkpoint_server.store import CheckpointRecord
+from rlnode_services.checkpoint_server.store import CheckpointRecord, EvalRecord
 
 log = logging.getLogger("checkpoint_server.models")
 
@@ -30,7 +31,8 @@ def parse_model(name: str | None) -> tuple[str, str]:
     if not name or "@" not in name:
         raise ModelProblem(
             400,
-            f"model must be '<job_id>@<step>' or '<job_id>@latest', not {name!r}; "
+            f"model must be '<job_id>@<step>', '<job_id>@latest' or '<job_id>@best', not "
+            f"{name!r}; "
             "GET /v1/models lists them",
         )
     job_id, _, which = name.rpartition("@")
@@ -63,12 +65,14 @@ class Checkpoints:
             )
         if which == "latest":
             record = available[-1]
+        elif which == "best":
+            record = self.best(org_id, job_id, available)
         else:
             try:
                 step = int(which)
             except ValueError:
                 raise ModelProblem(
-                    400, f"{which!r} is neither a step number nor 'latest'"
+                    400, f"{which!r} is neither a step number nor 'latest' or 'best'"
                 ) from None
             found = next((r for r in available if r.step == step), None)
             if found is None:
@@ -89,6 +93,36 @@ class Checkpoints:
                 "not_found_error",
             )
         return record, path
+
+    def evaluations(self, org_id: str, job_id: str) -> list[EvalRecord]:
+        with Session(self.engine) as s:
+            return list(
+                s.exec(
+                    select(EvalRecord)
+                    .where(EvalRecord.org_id == org_id, EvalRecord.job_id == job_id)
+                    .order_by(col(EvalRecord.step))
+                )
+            )
+
+    def best(self, org_id: str, job_id: str, available: list[CheckpointRecord]) -> CheckpointRecord:
+        """The checkpoint of the round with the highest mean reward (of equals, the later
+        step: trained longer for the same score)."""
+        steps = {r.step: r for r in available}
+        rounds = [
+            e
+            for e in self.evaluations(org_id, job_id)
+            if e.reward_mean is not None and e.step in steps
+        ]
+        if not rounds:
+            raise ModelProblem(
+                404,
+                f"job {job_id!r} has no evaluated checkpoint yet: its [eval] section sets "
+                f"when rounds run (GET /v1/jobs/{job_id}/evals lists them); use "
+                f"{job_id}@latest or a step",
+                "not_found_error",
+            )
+        best = max(rounds, key=lambda e: (e.reward_mean, e.step))
+        return steps[best.step]
 
 
 def _size_of(engine: TorchEngine) -> int:

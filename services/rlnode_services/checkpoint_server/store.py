@@ -44,6 +44,44 @@ class WeightRecord(SQLModel, table=True):
     )
 
 
+class EvalRecord(SQLModel, table=True):
+    """One evaluation round of a job (its `eval.completed` event): what `<job>@best` picks
+    from."""
+
+    __tablename__ = "evaluations"
+
+    job_id: str = Field(primary_key=True, max_length=128)
+    step: int = Field(primary_key=True)
+    org_id: str = Field(max_length=128, index=True)
+    version: int
+    seeds: int
+    samples_per_seed: int
+    count: int
+    failed: int
+    reward_mean: float | None = None
+    reward_std: float | None = None
+    pass_at_1: float | None = None
+    pass_at_k: float | None = None
+    created_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UTCDateTime(), nullable=False)
+    )
+
+    def listed(self) -> dict:
+        return {
+            "step": self.step,
+            "version": self.version,
+            "seeds": self.seeds,
+            "samples_per_seed": self.samples_per_seed,
+            "count": self.count,
+            "failed": self.failed,
+            "reward_mean": self.reward_mean,
+            "reward_std": self.reward_std,
+            "pass_at_1": self.pass_at_1,
+            "pass_at_k": self.pass_at_k,
+            "created_at": self.created_at.isoformat(),
+        }
+
+
 class JobSummary(SQLModel, table=True):
     __tablename__ = "job_summaries"
 
@@ -65,4 +103,4 @@ class JobSummary(SQLModel, table=True):
     )
 
 
-TABLES = (CheckpointRecord, WeightRecord, JobSummary)
+TABLES = (CheckpointRecord, WeightRecord, EvalRecord, JobSummary)

@@ -198,7 +198,8 @@ class RolloutRunner:
     async def _trajectory(self, rollout: ActiveRollout, started: float) -> Trajectory:
         turns = rollout.turns
         reference = rollout.engines.reference if rollout.engines is not None else None
-        if reference is not None and turns:
+        # An evaluation rollout is never trained on: no KL term, no reference scores.
+        if reference is not None and turns and rollout.work.mode == "train":
             scores = await reference.score([t.prompt_ids + t.completion_ids for t in turns])
             turns = [
                 t.model_copy(update={"ref_logprobs": s[len(t.prompt_ids) - 1 :]})
