@@ -18,13 +18,14 @@ import pytest
 import torch
 
 from rlnode.examples import example_job
-from rlnode.messages import topics
+from rlnode.messages import JobConfig, topics
 from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
-from rlnode.testing import run_rlnode, unique_id
+from rlnode.testing import run_rlnode, unique_id, wait_until
 
 STEPS = 4
+EVAL_SEEDS = {"start": 1000, "count": 4}
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +54,9 @@ def node(tmp_path_factory):
             minibatches=1,
             checkpoint_every=2,
         )
+        # Held-out evaluation before training and every 2 steps: 4 seeds x 2 samples.
+        evaluation = {"every": 2, "at_start": True, "seeds": EVAL_SEEDS, "samples": 2}
+        job = JobConfig.model_validate(job.model_dump(mode="json") | {"eval": evaluation})
         config = directory / "job.json"
         config.write_text(job.model_dump_json(indent=2))
         yield running, org, config, directory
@@ -139,6 +143,7 @@ def test_export_replays_a_job_into_tensorboard_mlflow_and_wandb(node, finished_j
     run = EventAccumulator(str(out / finished_job))
     run.Reload()
     assert [s.step for s in run.Scalars("train/reward_mean")] == list(range(1, STEPS + 1))
+    assert [s.step for s in run.Scalars("eval/reward_mean")] == [0, 2, STEPS]
     # MLflow, in a SQLite database in a directory.
     from mlflow.tracking import MlflowClient
 
@@ -162,6 +167,48 @@ def test_export_replays_a_job_into_tensorboard_mlflow_and_wandb(node, finished_j
     assert [row["_step"] for row in rows] == list(range(1, STEPS + 1))
     unknown = cli(node, "job", "export", "job-nope", "--to", "tensorboard", "--out", str(out))
     assert unknown.returncode == 1 and "no events of job job-nope" in unknown.stderr
+
+
+def test_eval_rounds_pick_the_best_checkpoint_and_any_checkpoint_evaluates_later(
+    node, finished_job
+) -> None:
+    """[eval]: a round before training and after steps 2 and 4, each on its step's weights;
+    `<job>@best` serves the checkpoint of the best; `rlnode job eval` runs any checkpoint
+    on other seeds after the fact."""
+    running, org, _config, _directory = node
+    listed = cli(node, "events", "--job", finished_job, "--json")
+    rounds = [json.loads(line) for line in listed.stdout.splitlines()]
+    rounds = [e["data"] for e in rounds if e["type"] == "eval.completed"]
+    assert [r["step"] for r in rounds] == [0, 2, STEPS]
+    assert all(r["count"] + r["failed"] == 8 and r["pass_at_k"] is not None for r in rounds)
+    assert all([s["seed"] for s in r["per_seed"]] == [1000, 1001, 1002, 1003] for r in rounds)
+    with CheckpointClient(running.url("checkpoint-server"), org.token) as server:
+
+        def all_three() -> list[dict] | None:
+            found = server.evals(finished_job)
+            return found if len(found) == 3 else None
+
+        indexed = wait_until(all_three, 30, "the three rounds indexed")
+        assert [r["reward_mean"] for r in indexed] == [r["reward_mean"] for r in rounds]
+        checkpointed = [r for r in indexed if r["step"] in (2, STEPS)]  # no checkpoint of 0
+        best = max(checkpointed, key=lambda r: (r["reward_mean"], r["step"]))["step"]
+        assert server.job(finished_job)["best_checkpoint"] == best
+        entry, state = server.checkpoint(f"{finished_job}@best")
+        assert entry["step"] == state["step"] == best
+        assert JobConfig.model_validate(state["job_config"]).eval is not None
+        answer = server.chat(f"{finished_job}@best", "Copy: cab", max_tokens=4, temperature=0)
+        assert answer["choices"][0]["message"]["content"] is not None
+    status = cli(node, "job", "status", finished_job)
+    assert f"best eval  step {best}" in status.stdout
+    evaluated = cli(
+        node, "job", "eval", f"{finished_job}@best", "--seeds", "2000:2003", "--samples", "2"
+    )
+    assert evaluated.returncode == 0, evaluated.stdout + evaluated.stderr
+    assert "eval at step 0: reward" in evaluated.stdout and "job.completed" in evaluated.stdout
+    table = [line.split() for line in evaluated.stdout.splitlines() if line[:10].strip()]
+    assert [row[0] for row in table if row[0].isdigit()] == ["2000", "2001", "2002"]
+    refused = cli(node, "job", "eval", f"{finished_job}@best", "--seeds", "5:5")
+    assert refused.returncode == 1 and "STOP > START" in refused.stderr
 
 
 async def test_the_openai_client_talks_to_latest_and_earlier_checkpoints(
