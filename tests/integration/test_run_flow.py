@@ -56,7 +56,11 @@ def node(tmp_path_factory):
         )
         # Held-out evaluation before training and every 2 steps: 4 seeds x 2 samples.
         evaluation = {"every": 2, "at_start": True, "seeds": EVAL_SEEDS, "samples": 2}
-        job = JobConfig.model_validate(job.model_dump(mode="json") | {"eval": evaluation})
+        # Its events into TensorBoard and MLflow under its directory, live.
+        logging = {"tensorboard": True, "mlflow": True}
+        job = JobConfig.model_validate(
+            job.model_dump(mode="json") | {"eval": evaluation, "logging": logging}
+        )
         config = directory / "job.json"
         config.write_text(job.model_dump_json(indent=2))
         yield running, org, config, directory
@@ -165,6 +169,20 @@ def test_export_replays_a_job_into_tensorboard_mlflow_and_wandb(node, finished_j
     assert exported.returncode == 0, exported.stderr
     rows = [row for row in read_wandb_history(runs) if "train/reward_mean" in row]
     assert [row["_step"] for row in rows] == list(range(1, STEPS + 1))
+    # [logging]: the learner wrote the same steps as the job went, and closed the run with
+    # the job's verdict.
+    live = node[0].data_dir / "checkpoints" / node[1].org_id / finished_job / "trackers"
+    board = EventAccumulator(str(live / "tensorboard" / finished_job))
+    board.Reload()
+    assert [s.step for s in board.Scalars("train/reward_mean")] == list(range(1, STEPS + 1))
+    client = MlflowClient(tracking_uri(str(live / "mlflow")))
+    (run,) = client.search_runs([client.get_experiment_by_name("rlnode").experiment_id])
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in client.get_metric_history(run.info.run_id, "eval/pass_at_k")] == [
+        0,
+        2,
+        STEPS,
+    ]
     unknown = cli(node, "job", "export", "job-nope", "--to", "tensorboard", "--out", str(out))
     assert unknown.returncode == 1 and "no events of job job-nope" in unknown.stderr
 

@@ -16,8 +16,10 @@ from rlnode.taskapp.bridge import rollout_request
 from rlnode.training.evaluation import EvalRound, eval_message, eval_work, summarise
 
 
-def job(steps: int = 10, evaluation: dict | None = None, **seeds) -> JobConfig:
-    data = {
+def job(
+    steps: int = 10, evaluation: dict | None = None, logging: dict | None = None, **seeds
+) -> JobConfig:
+    data: dict = {
         "model": {"source": "org/model"},
         "task_app": {"name": "app"},
         "training": {"steps": steps, "prompts_per_step": 4},
@@ -25,6 +27,8 @@ def job(steps: int = 10, evaluation: dict | None = None, **seeds) -> JobConfig:
     }
     if evaluation is not None:
         data["eval"] = evaluation
+    if logging is not None:
+        data["logging"] = logging
     return JobConfig.model_validate(data)
 
 
@@ -112,3 +116,10 @@ def test_a_rounds_work_is_the_held_out_seeds_in_eval_mode() -> None:
     assert rollout_request(work[0], "r", "http://x").mode == "eval"
     train = work[0].model_copy(update={"mode": "train"})
     assert rollout_request(train, "r", "http://x").mode == "rl"
+
+
+def test_logging_names_only_trackers_that_write_on_this_machine() -> None:
+    chosen = job(10, logging={"tensorboard": True, "wandb": {"project": "p"}})
+    assert chosen.logging is not None and chosen.logging.trackers == ["tensorboard", "wandb"]
+    with pytest.raises(ValidationError, match="sends no metrics off the machine"):
+        job(10, logging={"wandb": {"mode": "online"}})

@@ -101,9 +101,13 @@ def test_the_readme_config_reference_is_a_valid_config() -> None:
     from rlnode.messages import JobConfig
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    (block,) = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
-    config = JobConfig.model_validate(tomllib.loads(block))
+    reference, *sections = re.findall(r"```toml\n(.*?)```", readme, flags=re.S)
+    whole = tomllib.loads(reference)
+    config = JobConfig.model_validate(whole)
     assert config.training.group_size == 16 and config.topology.reference == "auto"
+    # The sections shown on their own ([eval], [logging]) fit into it.
+    for section in sections:
+        assert JobConfig.model_validate(whole | tomllib.loads(section))
 
 
 def test_watch_shows_a_pause_and_a_resume(monkeypatch) -> None:

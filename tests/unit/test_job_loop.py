@@ -243,3 +243,40 @@ async def test_a_job_of_no_steps_evaluates_the_model_as_it_is(tiny_model, tmp_pa
     assert only["step"] == 0 and only["version"] == 0 and only["count"] + only["failed"] == 6
     assert not loop.events(JobEventType.TRAIN_STEP) and not loop.transport.weights
     assert loop.runner.trainer is None  # nothing to train: no trainer loaded
+
+
+async def test_logging_writes_each_trackers_run_as_the_job_goes(tiny_model, tmp_path):
+    pytest.importorskip("tensorboard", reason="make setup installs it (the dev extra)")
+    pytest.importorskip("mlflow", reason="make setup installs it (the dev extra)")
+    pytest.importorskip("wandb", reason="make setup installs it (the dev extra)")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from rlnode.trackers.mlflow import tracking_uri
+    from tests.unit.test_trackers import read_wandb_history
+
+    logging = {"tensorboard": True, "mlflow": True, "wandb": {"project": "copy", "run_name": "r1"}}
+    job = eval_config(tiny_model, steps=3, max_async=1)
+    job = JobConfig.model_validate(job.model_dump(mode="json") | {"logging": logging})
+    loop = Loop(tiny_model, tmp_path, job)
+    await loop.run()
+    await loop.runner.close_trackers()  # the learner does, with the verdict
+    trackers = tmp_path / "org" / "job-loop" / "trackers"
+    started = loop.transport.events[0]
+    assert f"tensorboard in {trackers / 'tensorboard'}" in started.message
+    rewards = [s["reward_mean"] for s in loop.events(JobEventType.TRAIN_STEP)]
+
+    board = EventAccumulator(str(trackers / "tensorboard" / "job-loop"))
+    board.Reload()
+    assert [s.value for s in board.Scalars("train/reward_mean")] == pytest.approx(rewards)
+    assert [s.step for s in board.Scalars("eval/reward_mean")] == [0, 2, 3]
+
+    client = MlflowClient(tracking_uri(str(trackers / "mlflow")))
+    (run,) = client.search_runs([client.get_experiment_by_name("rlnode").experiment_id])
+    history = client.get_metric_history(run.info.run_id, "train/reward_mean")
+    assert [m.step for m in history] == [1, 2, 3]
+
+    rows = [r for r in read_wandb_history(trackers / "wandb") if "train/reward_mean" in r]
+    assert [r["_step"] for r in rows] == [1, 2, 3]
+    assert [r["train/reward_mean"] for r in rows] == pytest.approx(rewards)
+    assert list((trackers / "wandb" / "wandb").glob("offline-run-*"))

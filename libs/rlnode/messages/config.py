@@ -110,6 +110,39 @@ class EvalSpec(StrictModel):
         return self.every > 0 or self.at_start
 
 
+class WandbSpec(StrictModel):
+    project: str = Field("rlnode", min_length=1, max_length=128)
+    run_name: str | None = Field(None, max_length=128, description="Defaults to the job id.")
+    mode: Literal["offline", "online"] = Field(
+        "offline", description="Only offline: the node sends no metrics off the machine."
+    )
+
+    @model_validator(mode="after")
+    def _offline(self) -> WandbSpec:
+        if self.mode == "online":
+            raise ValueError(
+                "wandb mode 'online' is not offered: the node sends no metrics off the "
+                "machine. Use mode = 'offline' and `wandb sync` the run directory, or "
+                "`rlnode job export JOB --to wandb` from your own machine"
+            )
+        return self
+
+
+class LoggingSpec(StrictModel):
+    """Trackers the job's events go to as they happen, written by the learner under the
+    job's directory (<checkpoint store>/<org>/<job>/trackers/<name>/). For a tracking server,
+    replay the job from your machine: `rlnode job export JOB --to mlflow --out URI`."""
+
+    tensorboard: bool = Field(False, description="Event files (tensorboard --logdir DIR).")
+    mlflow: bool = Field(False, description="A run in a SQLite store (mlflow.db in DIR).")
+    wandb: WandbSpec | None = Field(None, description="An offline run (wandb sync DIR).")
+
+    @property
+    def trackers(self) -> list[str]:
+        chosen = {"tensorboard": self.tensorboard, "mlflow": self.mlflow, "wandb": self.wandb}
+        return [name for name, on in chosen.items() if on]
+
+
 class TrainingSpec(StrictModel):
     algorithm: Literal["grpo"] = "grpo"
     steps: NonNegativeInt = Field(
@@ -175,6 +208,7 @@ class JobConfig(StrictModel):
     seeds: SeedSpec = Field(default_factory=SeedSpec)
     topology: TopologySpec = Field(default_factory=TopologySpec)
     eval: EvalSpec | None = Field(None, description="Held-out evaluation while training.")
+    logging: LoggingSpec | None = Field(None, description="Trackers the events go to, live.")
 
     def eval_steps(self) -> list[int]:
         """The steps after which the model is evaluated, in order."""

@@ -19,15 +19,23 @@ EXIT_CODE = {JobEventType.COMPLETED: 0, JobEventType.FAILED: 1, JobEventType.CAN
 
 
 class WandbTracker(EventTracker):
-    def __init__(self, job_id: str, out: Path) -> None:
+    def __init__(
+        self,
+        job_id: str,
+        out: Path,
+        project: str | None = None,
+        run_name: str | None = None,
+        mode: str | None = None,
+    ) -> None:
+        """`mode`: default WANDB_MODE, else offline."""
         super().__init__()
         wandb = need("wandb", "W&B", "wandb")
         out.mkdir(parents=True, exist_ok=True)
         self.run: Any = wandb.init(
-            project=PROJECT,
-            name=job_id,
+            project=project or PROJECT,
+            name=run_name or job_id,
             dir=str(out),
-            mode=os.environ.get("WANDB_MODE", "offline"),
+            mode=mode or os.environ.get("WANDB_MODE", "offline"),
             config={"job_id": job_id},
             reinit="create_new",
         )

@@ -38,6 +38,7 @@ from rlnode.messages.jobs import (
 )
 from rlnode.service.registry import LEARNER
 from rlnode.service.stores import job_dir
+from rlnode.trackers.live import LiveTrackers
 from rlnode.training.breaker import Probe, TaskAppBreaker, TaskAppDown
 from rlnode.training.distributed import DataParallelTrainer
 from rlnode.training.evaluation import (
@@ -143,6 +144,8 @@ class JobRunner:
         self.evaluated: set[int] = set()
         self.evals: dict[int, EvalRound] = {}
         self.early_evals: dict[int, dict[uuid.UUID, Trajectory]] = defaultdict(dict)
+        # The job's [logging]: its events into trackers under its directory, as they happen.
+        self.trackers: LiveTrackers | None = None
 
     # -- trajectories in ------------------------------------------------------------------
 
@@ -177,6 +180,8 @@ class JobRunner:
 
     async def run(self) -> None:
         t = self.config.training
+        if self.config.logging is not None and self.trackers is None:
+            self.trackers = LiveTrackers(self.job_id, self.config.logging, self.root / "trackers")
         if t.steps == 0:
             await self._evaluate_only()
             return
@@ -202,7 +207,9 @@ class JobRunner:
         resumed = await self._resume()
         await self._event(
             JobEventType.STARTED,
-            f"training from step {self.step} of {t.steps}" + (" (resumed)" if resumed else ""),
+            f"training from step {self.step} of {t.steps}"
+            + (" (resumed)" if resumed else "")
+            + self._tracked_where(),
         )
         if resumed:
             self.version = max([self.version, *self._published_versions()])
@@ -245,7 +252,8 @@ class JobRunner:
         assert spec is not None, "JobConfig refuses 0 steps without [eval]"
         await self._event(
             JobEventType.STARTED,
-            f"evaluating {self.config.model.source} on {spec.seeds.count} held-out seeds",
+            f"evaluating {self.config.model.source} on {spec.seeds.count} held-out seeds"
+            + self._tracked_where(),
         )
         await self._start_eval(0)
         await self._finish_evals()
@@ -587,9 +595,23 @@ class JobRunner:
         return True
 
     async def _event(self, kind: JobEventType, message: str, data: EventData | None = None) -> None:
-        await self.transport.publish_event(
-            JobEvent.of(self.job_id, self.org_id, self.source, kind, message, data)
-        )
+        event = JobEvent.of(self.job_id, self.org_id, self.source, kind, message, data)
+        await self.transport.publish_event(event)
+        if self.trackers is not None:
+            self.trackers.log(event)
+
+    def _tracked_where(self) -> str:
+        return f"; metrics to {self.trackers.where()}" if self.trackers is not None else ""
+
+    async def close_trackers(self, verdict: JobEvent | None = None) -> None:
+        """The job is over (`verdict`: how it ended, which the learner publishes): write it
+        and close the trackers."""
+        trackers, self.trackers = self.trackers, None
+        if trackers is None:
+            return
+        if verdict is not None:
+            trackers.log(verdict)
+        await asyncio.to_thread(trackers.close)
 
 
 def trained_work_ids(checkpoints: Path) -> list[str]:

@@ -26,6 +26,7 @@ from rlnode_services.learner.limits import (
     check_limits,
     check_model_source,
     check_org_jobs,
+    check_trackers,
 )
 from rlnode_services.learner.probe import failed_checks
 from rlnode_services.learner.settings import LearnerSettings
@@ -89,6 +90,7 @@ class JobIntake:
             check_limits(self.settings, request.config)
             check_model_source(self.settings, request.config, request.org_id)
             check_checkpoint_bytes(self.settings, request.config)
+            check_trackers(request.config)
             await asyncio.to_thread(check_org_jobs, self.settings, self.engine, request.org_id)
         except OverLimit as e:
             return Verdict(False, str(e))

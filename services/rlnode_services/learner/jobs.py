@@ -184,6 +184,7 @@ class JobManager:
                 await self._end(runner, *await self._outcome(runner))
             finally:
                 self.runners.pop(job_id, None)
+                await runner.close_trackers()
         self.holding.discard(job_id)
         await self._commit()
         await self._start_next_queued()
@@ -294,7 +295,9 @@ class JobManager:
         }[kind]
         changes = {"reason": message} if kind is JobEventType.FAILED else {}
         # Published first: if recording fails, the driver runs again and says it again.
-        await self._event(runner.job_id, runner.org_id, kind, message, data)
+        verdict = JobEvent.of(runner.job_id, runner.org_id, self.bus.service, kind, message, data)
+        await self.bus.publish(verdict)
+        await runner.close_trackers(verdict)
         self._set(runner.job_id, status=status, **changes)
 
     def _note_progress(self, job_id: str, step: int) -> None:

@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, func, select
 
 from rlnode.messages import JobConfig
+from rlnode.trackers.registry import installed
 from rlnode_services.learner.settings import LearnerSettings
 from rlnode_services.learner.store import ACTIVE, JobRecord
 
@@ -114,6 +115,19 @@ def _check_local(
         raise OverLimit(
             f"{field} {source!r} is outside the directories this node loads models from "
             f"(LEARNER_MODEL_DIRS: {where}); use a Hugging Face repo id, or ask the operator"
+        )
+
+
+def check_trackers(config: JobConfig) -> None:
+    """The trackers [logging] names have their libraries on this node."""
+    if config.logging is None:
+        return
+    missing = [name for name in config.logging.trackers if not installed(name)]
+    if missing:
+        raise OverLimit(
+            f"logging names {', '.join(missing)}, which this node's learner lacks: the "
+            "operator installs them with pip install 'rlnode[trackers]'; or drop them from "
+            "[logging] and replay the job later with rlnode job export"
         )
 
 
