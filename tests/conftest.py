@@ -43,6 +43,15 @@ def isolated_data_dir(tmp_path, monkeypatch) -> None:
 
 
 @pytest.fixture(scope="session")
+def tool_model(tmp_path_factory) -> Path:
+    """A tiny Qwen2-shaped model fine-tuned to call the calculator tool (tests/tool_model.py):
+    built once per session, for the tests that train on tool use."""
+    from tests.tool_model import build_tool_model
+
+    return build_tool_model(tmp_path_factory.mktemp("tool-model") / "calculator")
+
+
+@pytest.fixture(scope="session")
 def kafka_broker() -> Iterator[BrokerHandle]:
     """One broker for the session with the topics created, as on a node (`rlnode up` creates
     them before any service starts): a service that subscribed first would otherwise leave

@@ -214,3 +214,56 @@ def wait_until(check, timeout_s: float, what: str, interval_s: float = 0.5):
             return value
         time.sleep(interval_s)
     raise TimeoutError(f"not within {timeout_s:.0f}s: {what}")
+
+
+def fit_completions(
+    model_dir: Path,
+    pairs: list[tuple[list[int], list[int]]],
+    steps: int,
+    learning_rate: float = 1e-2,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> float:
+    """Supervised fine-tuning in place, for tests that need a model that already does
+    something (a random tiny model never writes a tool call by chance): the model at
+    `model_dir` learns each completion after its prompt (cross entropy on the completion's
+    tokens only; the output layer runs on those positions alone, most of the cost with a
+    long prompt and a short answer). Returns the last batch's loss."""
+    import random
+
+    import torch
+
+    from rlnode.models.hf import load_causal_lm
+
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    model = load_causal_lm(model_dir)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
+    pad = model.config.pad_token_id or 0
+    loss = torch.tensor(0.0)
+    for _ in range(steps):
+        batch = [rng.choice(pairs) for _ in range(batch_size)]
+        width = max(len(p) + len(c) for p, c in batch)
+        ids = torch.full((batch_size, width), pad, dtype=torch.long)
+        mask = torch.zeros((batch_size, width), dtype=torch.long)
+        rows: list[int] = []
+        positions: list[int] = []
+        targets: list[int] = []
+        for row, (prompt, completion) in enumerate(batch):
+            sequence = prompt + completion
+            ids[row, : len(sequence)] = torch.tensor(sequence)
+            mask[row, : len(sequence)] = 1
+            # The position before each completion token predicts it.
+            rows += [row] * len(completion)
+            positions += range(len(prompt) - 1, len(sequence) - 1)
+            targets += completion
+        hidden = model.model(input_ids=ids, attention_mask=mask).last_hidden_state
+        logits = model.lm_head(hidden[torch.tensor(rows), torch.tensor(positions)])
+        loss = torch.nn.functional.cross_entropy(logits.float(), torch.tensor(targets))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.eval()
+    model.save_pretrained(model_dir, safe_serialization=True)
+    return loss.item()

@@ -17,11 +17,17 @@ import openai
 import pytest
 import torch
 
+from rlnode.bus.reader import TopicReader
+from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import example_job
-from rlnode.messages import JobConfig, topics
+from rlnode.examples.taskapps import calculator
+from rlnode.messages import JobConfig, Trajectory, topics
+from rlnode.messages.codec import decode
 from rlnode.models.build import init_tiny_model
+from rlnode.models.hf import load_tokenizer
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
+from rlnode.service.openai_api import parse_tool_calls
 from rlnode.testing import run_rlnode, unique_id, wait_until
 
 STEPS = 4
@@ -485,3 +491,93 @@ def test_confluent_kafka_drives_a_job(node) -> None:
     finally:
         consumer.close()
     assert seen and seen[0] == "job.accepted" and seen[-1] == "job.completed", seen
+
+
+def test_a_tool_calling_task_trains_through_the_node_and_its_checkpoint_calls_tools(
+    node, tool_model, finished_job
+) -> None:
+    """OpenAI tool calls end to end: the calculator Task App (managed) offers `tools` on the
+    generator's per-rollout endpoint; the calls the model writes come back to it as
+    `tool_calls`, their results go in as `tool` messages over several turns, and the
+    trajectories hold them in the turns' prompts; then the official `openai` client calls
+    tools on the checkpoint it made."""
+    running, org, _config, directory = node
+    assert running.register_example_task_app(org, "calculator", "calculator")["ok"]
+    job = example_job(
+        "copy_task", tool_model, steps=2, prompts_per_step=2, group_size=4, checkpoint_every=2
+    )
+    job = JobConfig.model_validate(
+        job.model_dump(mode="json")
+        | {
+            "task_app": {"name": "calculator", "env_config": {"max_turns": 3}},
+            "sampling": {"max_tokens": 96, "temperature": 1.0},
+        }
+    )
+    config = directory / "calculator.json"
+    config.write_text(job.model_dump_json())
+    job_id = unique_id("tools")
+    started = cli(node, "job", "start", str(config), "--job-id", job_id, "--watch")
+    assert started.returncode == 0, started.stdout + started.stderr
+
+    async def trajectories() -> list[Trajectory]:
+        found: list[Trajectory] = []
+        settings = KafkaSettings(bootstrap_servers=running.bootstrap)
+        async with TopicReader(settings, topics.TRAJECTORIES, service="test", key=job_id) as reader:
+            while not reader.caught_up.is_set():
+                for record in await reader.fetch():
+                    if record.key == job_id.encode():
+                        found.append(decode(record.value, Trajectory))
+        return found
+
+    tokenizer = load_tokenizer(tool_model)
+    several = [t for t in asyncio.run(trajectories()) if len(t.turns) >= 2]
+    assert several, "no rollout went past its first turn"
+    for trajectory in several:
+        before, after = trajectory.turns[0], trajectory.turns[1]
+        _content, calls = parse_tool_calls(tokenizer.decode(before.completion_ids, True))
+        assert calls and "<tool_response>" in tokenizer.decode(after.prompt_ids)
+        assert after.prompt_ids[: len(before.prompt_ids)] == before.prompt_ids
+
+    with CheckpointClient(running.url("checkpoint-server"), org.token) as server:
+        wait_indexed(server, job_id, [2])
+    client = openai.OpenAI(
+        base_url=running.url("checkpoint-server") + "/v1", api_key=org.token, max_retries=0
+    )
+    asked = [
+        {"role": "system", "content": "Use the calculator tool, then give the final number."},
+        {"role": "user", "content": "What is 12 + 30 - 5?"},
+    ]
+    reply = client.chat.completions.create(
+        model=f"{job_id}@latest",
+        messages=asked,
+        tools=calculator.TOOLS,
+        max_tokens=96,
+        temperature=0,
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "calculator" and json.loads(call.function.arguments)
+    # The call and its result go back in; the server renders them and answers.
+    answered = client.chat.completions.create(
+        model=f"{job_id}@latest",
+        messages=[
+            *asked,
+            choice.message.model_dump(exclude_none=True),
+            {"role": "tool", "tool_call_id": call.id, "content": "37"},
+        ],
+        tools=calculator.TOOLS,
+        max_tokens=96,
+        temperature=0,
+    )
+    assert answered.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    with pytest.raises(openai.BadRequestError, match="constrained sampling"):
+        client.chat.completions.create(
+            model=f"{job_id}@latest", messages=asked, tools=calculator.TOOLS, tool_choice="required"
+        )
+    # A model whose template cannot show tools says so rather than dropping them.
+    with pytest.raises(openai.BadRequestError, match="does not render tools"):
+        client.chat.completions.create(
+            model=f"{finished_job}@latest", messages=asked, tools=calculator.TOOLS
+        )
+    client.close()

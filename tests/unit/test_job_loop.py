@@ -13,9 +13,11 @@ import pytest
 
 from rlnode.engine.torch_engine import TorchEngine
 from rlnode.examples import example_job
-from rlnode.examples.taskapps import copy_task
+from rlnode.examples.taskapps import calculator, copy_task
 from rlnode.messages import JobConfig, JobEventType, RolloutWork, Trajectory
 from rlnode.models.build import init_tiny_model
+from rlnode.service.openai_api import parse_tool_calls
+from rlnode.taskapp import TaskAppDefinition
 from rlnode.training.breaker import Probe
 from rlnode.training.inprocess import InProcessGenerator
 from rlnode.training.loop import JobCancelled, JobRunner, trained_work_ids
@@ -45,13 +47,14 @@ class Loop:
         job: JobConfig,
         job_id: str = "job-loop",
         probe: Probe | None = None,
+        task_app: TaskAppDefinition = copy_task.DEFINITION,
     ) -> None:
         self.transport = InMemoryTransport()
         self.runner = JobRunner(
             job_id, "org", job, self.transport, root, ["cpu"], 60.0, probe=probe
         )
         self.engine = TorchEngine(model, dtype="float32", max_wait_ms=1)
-        self.generator = InProcessGenerator(self.engine, copy_task.DEFINITION, self.deliver).attach(
+        self.generator = InProcessGenerator(self.engine, task_app, self.deliver).attach(
             self.transport
         )
         self.delivered: list[Trajectory] = []
@@ -280,3 +283,47 @@ async def test_logging_writes_each_trackers_run_as_the_job_goes(tiny_model, tmp_
     assert [r["_step"] for r in rows] == [1, 2, 3]
     assert [r["train/reward_mean"] for r in rows] == pytest.approx(rewards)
     assert list((trackers / "wandb" / "wandb").glob("offline-run-*"))
+
+
+async def test_a_tool_calling_task_trains_on_exactly_the_tokens_sampled(tool_model, tmp_path):
+    """The calculator Task App over several turns: the calls the model writes reach the
+    episode as `tool_calls`, their results come back as tool messages in the next turn's
+    prompt, and every turn trained is exactly what the engine sampled (ids and logprobs)."""
+    job = config(tool_model, steps=2, max_async=0, prompts_per_step=2, group_size=4)
+    job = job.model_copy(
+        update={
+            "sampling": job.sampling.model_copy(update={"max_tokens": 96}),
+            "task_app": job.task_app.model_copy(update={"env_config": {"max_turns": 3}}),
+        }
+    )
+    loop = Loop(tool_model, tmp_path, job, task_app=calculator.DEFINITION)
+    sampled: list[tuple[list[int], list[int], list[float]]] = []
+    generate = loop.engine.generate
+
+    async def recording(request):
+        result = await generate(request)
+        sampled.append((list(request.prompt_ids), result.completion_ids, result.logprobs))
+        return result
+
+    loop.engine.generate = recording  # type: ignore[method-assign]
+    await loop.run()
+    assert [s["step"] for s in loop.events(JobEventType.TRAIN_STEP)] == [1, 2]
+    tokenizer = loop.engine.tokenizer
+    several = [t for t in loop.delivered if t.status == "ok" and len(t.turns) >= 2]
+    assert several, "no episode went past its first turn"
+    for trajectory in several:
+        for before, after in zip(trajectory.turns, trajectory.turns[1:], strict=False):
+            written = tokenizer.decode(before.completion_ids, skip_special_tokens=True)
+            _content, calls = parse_tool_calls(written)
+            assert calls, f"a turn that led to another called no tool: {written!r}"
+            shown = tokenizer.decode(after.prompt_ids)
+            for call in calls:
+                result, _ok = calculator.run_call(call)
+                assert f"<tool_response>\n{result}\n</tool_response>" in shown
+            # The next prompt holds this turn's prompt as it was.
+            assert after.prompt_ids[: len(before.prompt_ids)] == before.prompt_ids
+    engine_said = {(tuple(p), tuple(c)): lp for p, c, lp in sampled}
+    for trajectory in loop.delivered:
+        for turn in trajectory.turns:
+            key = (tuple(turn.prompt_ids), tuple(turn.completion_ids))
+            assert engine_said.get(key) == turn.logprobs, "a turn differs from what was sampled"

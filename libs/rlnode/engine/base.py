@@ -131,13 +131,26 @@ def cut_at_stop(text: str, stop: list[str]) -> str:
     return text
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]]) -> list[int]:
-    """Prompt token ids for chat messages, by the model's own chat template."""
-    if not getattr(tokenizer, "chat_template", None):
+def render_chat(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
+    """Prompt token ids for chat messages (and the tools offered), by the model's own chat
+    template."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not template:
         raise EngineError(
             "this model's tokenizer has no chat template; use /v1/completions with a prompt"
         )
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if tools and "tools" not in str(template):
+        # A template that never reads `tools` would drop them without a word.
+        raise EngineError(
+            "this model's chat template does not render tools: call without `tools`, or "
+            "train a model whose template shows them (e.g. Qwen2.5's, or rlnode model init "
+            "--preset tiny-qwen2)"
+        )
+    ids = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=True
+    )
     if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
         ids = ids["input_ids"]
     return list(ids)

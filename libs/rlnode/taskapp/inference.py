@@ -3,7 +3,7 @@ completions on the inference URL it was given in the rollout request."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -26,9 +26,14 @@ def chat_completions_url(inference_url: str) -> str:
 
 @dataclass(frozen=True)
 class ChatResult:
+    """A reply: its text (the content; "" when it only calls tools), why it ended ("stop",
+    "length", "tool_calls"), the OpenAI `tool_calls` it made (when `tools` were offered),
+    and the whole response."""
+
     text: str
     finish_reason: str | None
     raw: dict[str, Any]
+    tool_calls: list[dict[str, Any]] = field(default_factory=list)
 
 
 class InferenceClient:
@@ -51,6 +56,8 @@ class InferenceClient:
         self.calls = 0
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatResult:
+        """`sampling`: OpenAI chat fields (max_tokens, stop, ...; `tools` and `tool_choice`
+        to offer tools, whose calls come back in `tool_calls`)."""
         body = {"model": self.model, "messages": messages, **self.defaults}
         body.update({k: v for k, v in sampling.items() if v is not None})
         try:
@@ -64,11 +71,14 @@ class InferenceClient:
             raw = response.json()
             choice = raw["choices"][0]
             text = choice["message"].get("content") or ""
+            tool_calls = list(choice["message"].get("tool_calls") or [])
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
             raise InferenceError(
                 f"inference answered something that is not a chat completion: {response.text[:500]}"
             ) from None
-        return ChatResult(text=text, finish_reason=choice.get("finish_reason"), raw=raw)
+        return ChatResult(
+            text=text, finish_reason=choice.get("finish_reason"), raw=raw, tool_calls=tool_calls
+        )
 
     async def aclose(self) -> None:
         if self._owns_http:

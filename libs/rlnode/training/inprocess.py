@@ -20,7 +20,12 @@ from typing import Any
 from rlnode.engine import Engine, render_chat
 from rlnode.engine.turns import sample_turn
 from rlnode.messages import RolloutFailure, RolloutWork, TokenTurn, Trajectory, WeightVersion
-from rlnode.service.openai_api import stops
+from rlnode.service.openai_api import (
+    ChatCompletionRequest,
+    assistant_message,
+    stops,
+    text_content,
+)
 from rlnode.taskapp.bridge import rollout_request, trajectory
 from rlnode.taskapp.contract import NormalisedRollout
 from rlnode.taskapp.inference import ChatResult
@@ -43,7 +48,15 @@ class _RecordingPolicy:
         return len(self.turns)
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatResult:
-        prompt_ids = render_chat(self.engine.tokenizer, messages)
+        # The same request model, rendering and tool-call parsing as the generator's
+        # per-rollout endpoint.
+        request = ChatCompletionRequest(
+            messages=messages, tools=sampling.get("tools"), tool_choice=sampling.get("tool_choice")
+        )
+        tools = request.template_tools()
+        prompt_ids = render_chat(
+            self.engine.tokenizer, [text_content(m) for m in request.messages], tools
+        )
         turn, text = await sample_turn(
             self.engine,
             prompt_ids,
@@ -53,7 +66,13 @@ class _RecordingPolicy:
             stops(sampling.get("stop")),
         )
         self.turns.append(turn)
-        return ChatResult(text=text, finish_reason=turn.finish_reason, raw={})
+        message, finish = assistant_message(text, turn.finish_reason, tools is not None)
+        return ChatResult(
+            text=message["content"] or "",
+            finish_reason=finish,
+            raw={"choices": [{"message": message, "finish_reason": finish}]},
+            tool_calls=message.get("tool_calls", []),
+        )
 
 
 class InProcessGenerator:

@@ -1,6 +1,6 @@
 """OpenAI-compatible inference on any checkpoint of your org: `model` is
-`"<job_id>@<step>"` or `"<job_id>@latest"`; the official `openai` client works. Checkpoints
-load on first use into the LRU cache."""
+`"<job_id>@<step>"`, `"<job_id>@latest"` or `"<job_id>@best"`; the official `openai` client
+works, tools and tool calls included. Checkpoints load on first use into the LRU cache."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from rlnode.engine import (
 from rlnode.engine.torch_engine import TorchEngine
 from rlnode.service.auth import Scope, TokenClaims
 from rlnode.service.openai_api import (
+    BadChatRequest,
     ChatCompletionRequest,
     CompletionRequest,
     chat_chunks,
@@ -69,7 +70,12 @@ def inference_routes(
     async def chat(claims: Caller, body: ChatCompletionRequest):
         model, engine = await _engine_for(claims, body.model)
         try:
-            prompt_ids = render_chat(engine.tokenizer, [text_content(m) for m in body.messages])
+            tools = body.template_tools()
+            messages = [text_content(m) for m in body.messages]
+        except BadChatRequest as e:
+            raise ModelProblem(400, str(e)) from None
+        try:
+            prompt_ids = render_chat(engine.tokenizer, messages, tools)
         except Exception as e:
             raise ModelProblem(
                 400, f"cannot apply the chat template to these messages: {e}"
@@ -78,9 +84,17 @@ def inference_routes(
         results = await _sample(engine, prompt_ids, body, stop)
         texts = [_text(engine, r, stop) for r in results]
         if body.stream:
-            return event_stream(chat_chunks(model, engine.tokenizer, results, texts))
+            return event_stream(
+                chat_chunks(model, engine.tokenizer, results, texts, tools=tools is not None)
+            )
         return chat_completion(
-            model, engine.tokenizer, len(prompt_ids), results, texts, logprobs=body.logprobs
+            model,
+            engine.tokenizer,
+            len(prompt_ids),
+            results,
+            texts,
+            logprobs=body.logprobs,
+            tools=tools is not None,
         )
 
     @router.post("/v1/completions", tags=["inference"])

@@ -17,6 +17,7 @@ from rlnode.service.app import create_service_app
 from rlnode.service.auth import VaultTokenVerifier
 from rlnode.service.http import Operator, install_error_handlers
 from rlnode.service.openai_api import (
+    BadChatRequest,
     ChatCompletionRequest,
     CompletionRequest,
     chat_completion,
@@ -114,10 +115,22 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         (the learner's importance ratio assumes the job's), and max_tokens can only lower it."""
         rollout = registry.get(rollout_id)
         _check_supported(body.n, body.stream)
-        prompt_ids = render_prompt(rollout.policy, [text_content(m) for m in body.messages])
+        try:
+            tools = body.template_tools()
+            messages = [text_content(m) for m in body.messages]
+        except BadChatRequest as e:
+            raise InferenceRefused(400, str(e)) from None
+        prompt_ids = render_prompt(rollout.policy, messages, tools)
         turn, text = await rollout.complete(prompt_ids, body.token_budget, stops(body.stop))
         model = body.model or rollout.work.job_id
-        return chat_completion(model, rollout.policy.tokenizer, len(prompt_ids), [turn], [text])
+        return chat_completion(
+            model,
+            rollout.policy.tokenizer,
+            len(prompt_ids),
+            [turn],
+            [text],
+            tools=tools is not None,
+        )
 
     @app.post("/rollouts/{rollout_id}/v1/completions", tags=["inference"])
     async def completions(rollout_id: str, body: CompletionRequest) -> dict[str, Any]:

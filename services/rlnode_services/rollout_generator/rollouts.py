@@ -87,9 +87,11 @@ class RolloutRegistry:
         return len(self._active)
 
 
-def render_prompt(policy: Engine, messages: list[dict[str, Any]]) -> list[int]:
+def render_prompt(
+    policy: Engine, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     try:
-        return render_chat(policy.tokenizer, messages)
+        return render_chat(policy.tokenizer, messages, tools)
     except Exception as e:
         raise InferenceRefused(
             400, f"cannot apply the chat template to these messages: {e}"
