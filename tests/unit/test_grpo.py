@@ -52,6 +52,17 @@ def test_group_relative_advantages() -> None:
     assert unscaled[str(a[0].id)] == pytest.approx(0.5)
 
 
+def test_a_tie_of_rewards_that_do_not_add_up_exactly_is_still_a_tie() -> None:
+    """16 x 2/3: their mean is 1 ulp off 2/3, which divided by the tiny std it leaves made
+    advantages of ~1e-10 and a training step on nothing (the control-plane benchmark's
+    learner trained every step)."""
+    rewards = [2 / 3] * 16
+    assert sum(rewards) / 16 != 2 / 3  # the rounding the tie must not turn into a signal
+    tied = [_trajectory("g", r) for r in rewards]
+    assert set(group_advantages(tied).values()) == {0.0}
+    assert not [s for s in samples_from(tied, group_advantages(tied)) if s.advantage != 0.0]
+
+
 def test_every_turn_is_a_sample_with_the_trajectorys_advantage() -> None:
     t = _trajectory("g", 1.0, turns=3)
     samples = samples_from([t], {str(t.id): 0.7})

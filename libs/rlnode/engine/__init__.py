@@ -12,7 +12,8 @@ from rlnode.engine.base import (
 
 
 def create_engine(kind: str, model_path, **options) -> Engine:
-    """`kind` is "torch" (CPU or GPU) or "vllm" (GPU; imported only when asked for)."""
+    """`kind` is "torch" (CPU or GPU), "vllm" (GPU; imported only when asked for) or
+    "instant" (fixed tokens at once: for measuring the control plane, never for training)."""
     if kind == "torch":
         from rlnode.engine.torch_engine import TorchEngine
 
@@ -21,6 +22,10 @@ def create_engine(kind: str, model_path, **options) -> Engine:
         from rlnode.engine.vllm_engine import VLLMEngine
 
         return VLLMEngine(model_path, **options)
+    if kind == "instant":
+        from rlnode.engine.instant import InstantEngine
+
+        return InstantEngine(model_path, **options)
     raise EngineError(f"unknown engine {kind!r}: use 'torch' or 'vllm'")
 
 

@@ -32,6 +32,10 @@ class Sample:
         return len(self.prompt_ids) + len(self.completion_ids)
 
 
+# Rewards this close count as equal.
+TIED = 1e-12
+
+
 def group_advantages(
     trajectories: Iterable[Trajectory], scale_by_std: bool = True, eps: float = 1e-6
 ) -> dict[str, float]:
@@ -45,6 +49,11 @@ def group_advantages(
     advantages: dict[str, float] = {}
     for members in groups.values():
         rewards = [reward for _, reward in members]
+        if max(rewards) - min(rewards) <= TIED:
+            # Tied: exactly 0, not the rounding left by the mean of rewards like 2/3 (which
+            # divided by a tiny std made ~1e-10 advantages, and a training step of no use).
+            advantages.update((str(t.id), 0.0) for t, _ in members)
+            continue
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
         for t, reward in members:

@@ -31,8 +31,10 @@ class GeneratorSettings(VaultClientSettings):
         "http://HOST:PORT).",
     )
 
-    engine: Literal["torch", "vllm"] = Field(
-        "torch", description="torch (CPU or GPU) or vllm (imported only then)."
+    engine: Literal["torch", "vllm", "instant"] = Field(
+        "torch",
+        description="torch (CPU or GPU) or vllm (imported only then); instant answers fixed "
+        "tokens at once, for measuring the control plane only (make bench-control-plane).",
     )
     device: str = Field("cpu", description="Where the engine runs: cpu or cuda[:N].")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
