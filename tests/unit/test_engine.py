@@ -99,3 +99,22 @@ async def test_a_scheduler_that_dies_fails_its_requests_says_so_and_starts_again
     result = await engine.generate(GenerationRequest(_prompt(engine), max_tokens=2))
     assert result.completion_ids and engine.failures() == {}
     await engine.close()
+
+
+async def test_the_instant_engine_answers_fixed_tokens_for_the_control_plane_benchmark(
+    model_dir,
+) -> None:
+    """`GENERATOR_ENGINE=instant` (bench/control_plane.py): the model's tokenizer, the same
+    completion at once, a prompt the model could not embed still refused."""
+    engine = create_engine("instant", model_dir)
+    prompt = _prompt(engine)
+    first, second = await asyncio.gather(
+        *(engine.generate(GenerationRequest(prompt_ids=prompt, max_tokens=8)) for _ in range(2))
+    )
+    assert first.completion_ids == second.completion_ids
+    assert engine.tokenizer.decode(first.completion_ids, skip_special_tokens=True) == "abc"
+    assert first.finish_reason == "stop" and len(first.logprobs) == len(first.completion_ids)
+    cut = await engine.generate(GenerationRequest(prompt_ids=prompt, max_tokens=2))
+    assert len(cut.completion_ids) == 2 and cut.finish_reason == "length"
+    with pytest.raises(EngineError, match="outside this model's vocabulary"):
+        await engine.generate(GenerationRequest(prompt_ids=[10**6]))
