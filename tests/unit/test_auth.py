@@ -152,3 +152,29 @@ def test_only_node_wide_service_tokens_with_node_ops_are_operators() -> None:
         with pytest.raises(AuthError) as refused:
             require_operator(not_one)
         assert refused.value.status == 403
+
+
+def test_a_token_is_opened_once_and_still_checked_on_every_use(key, monkeypatch) -> None:
+    """The signature of a token that checked out is not checked again (a service's token
+    comes with every call it makes); its expiry and revocation are, every time."""
+    from rlnode.service import auth
+
+    opened = []
+    real = auth.open_envelope
+    monkeypatch.setattr(auth, "open_envelope", lambda *a: opened.append(1) or real(*a))
+    revoked: set[str] = set()
+    now = [NOW]
+    verifier = TokenVerifier(key.verify_key, is_revoked=revoked.__contains__, clock=lambda: now[0])
+    token = sign_token(key, _claims())
+    assert verifier.verify(token).subject == verifier.verify(token).subject == "ci"
+    assert len(opened) == 1
+    forged = token[:-4] + ("AAAA" if not token.endswith("AAAA") else "BBBB")
+    with pytest.raises(AuthError, match="signature does not check out"):
+        verifier.verify(forged)
+    revoked.add("t_1")
+    with pytest.raises(AuthError, match="revoked"):
+        verifier.verify(token)
+    revoked.clear()
+    now[0] = NOW + 3600 + 31
+    with pytest.raises(AuthError, match="expired"):
+        verifier.verify(token)

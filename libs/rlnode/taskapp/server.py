@@ -125,7 +125,7 @@ def _expected_key() -> str | None:
     return os.environ.get(KEY_ENV) or None
 
 
-def require_api_key(
+async def require_api_key(
     x_api_key: Annotated[str | None, Header(alias="X-API-Key")] = None,
     authorization: Annotated[str | None, Header()] = None,
 ) -> None:

@@ -11,7 +11,7 @@ from rlnode.service.auth import AuthError, Scope, TokenClaims, TokenVerifier
 from rlnode.service.http import caller_claims
 
 
-def caller(claims: Annotated[TokenClaims, Depends(caller_claims)]) -> TokenClaims:
+async def caller(claims: Annotated[TokenClaims, Depends(caller_claims)]) -> TokenClaims:
     if claims.org_id is None:
         raise AuthError(403, "use an org token: checkpoints belong to an org")
     return claims

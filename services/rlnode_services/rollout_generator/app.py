@@ -8,14 +8,14 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from rlnode.bus import Bus
 from rlnode.bus.signing import signing_for
 from rlnode.messages import topics
 from rlnode.service.app import create_service_app
 from rlnode.service.auth import VaultTokenVerifier
-from rlnode.service.http import Operator, install_error_handlers
+from rlnode.service.http import Operator, install_error_handlers, json_response
 from rlnode.service.openai_api import (
     BadChatRequest,
     ChatCompletionRequest,
@@ -30,9 +30,9 @@ from rlnode_services.rollout_generator.engines import EnginePool
 from rlnode_services.rollout_generator.finished import FinishedJobs
 from rlnode_services.rollout_generator.rollouts import (
     InferenceRefused,
+    RenderedPrompts,
     RolloutRegistry,
     RolloutRunner,
-    render_prompt,
 )
 from rlnode_services.rollout_generator.settings import SERVICE, GeneratorSettings
 from rlnode_services.rollout_generator.weights import WeightSync
@@ -60,6 +60,7 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
     )
     weights = WeightSync(settings, pool, bus)
     runner = RolloutRunner(settings, pool, registry, weights)
+    prompts = RenderedPrompts()
     finished = FinishedJobs(bus)
     work = WorkHandler(bus, runner.run, finished)
     work_subscription = bus.subscribe(
@@ -110,7 +111,7 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         }
 
     @app.post("/rollouts/{rollout_id}/v1/chat/completions", tags=["inference"])
-    async def chat_completions(rollout_id: str, body: ChatCompletionRequest) -> dict[str, Any]:
+    async def chat_completions(rollout_id: str, body: ChatCompletionRequest) -> Response:
         """Sampling follows the job's config: temperature and top_p here are not honoured
         (the learner's importance ratio assumes the job's), and max_tokens can only lower it."""
         rollout = registry.get(rollout_id)
@@ -120,20 +121,22 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
             messages = [text_content(m) for m in body.messages]
         except BadChatRequest as e:
             raise InferenceRefused(400, str(e)) from None
-        prompt_ids = render_prompt(rollout.policy, messages, tools)
+        prompt_ids = prompts.render(rollout.policy, messages, tools)
         turn, text = await rollout.complete(prompt_ids, body.token_budget, stops(body.stop))
         model = body.model or rollout.work.job_id
-        return chat_completion(
-            model,
-            rollout.policy.tokenizer,
-            len(prompt_ids),
-            [turn],
-            [text],
-            tools=tools is not None,
+        return json_response(
+            chat_completion(
+                model,
+                rollout.policy.tokenizer,
+                len(prompt_ids),
+                [turn],
+                [text],
+                tools=tools is not None,
+            )
         )
 
     @app.post("/rollouts/{rollout_id}/v1/completions", tags=["inference"])
-    async def completions(rollout_id: str, body: CompletionRequest) -> dict[str, Any]:
+    async def completions(rollout_id: str, body: CompletionRequest) -> Response:
         rollout = registry.get(rollout_id)
         _check_supported(body.n, body.stream)
         if isinstance(body.prompt, str):
@@ -144,6 +147,8 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
             raise InferenceRefused(400, "empty prompt")
         turn, text = await rollout.complete(prompt_ids, body.max_tokens, stops(body.stop))
         model = body.model or rollout.work.job_id
-        return text_completion(model, rollout.policy.tokenizer, len(prompt_ids), [turn], [text])
+        return json_response(
+            text_completion(model, rollout.policy.tokenizer, len(prompt_ids), [turn], [text])
+        )
 
     return app

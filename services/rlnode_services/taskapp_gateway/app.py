@@ -141,14 +141,16 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         return managed.log_tail(max_bytes)
 
     @app.post("/v1/rollouts", response_model=RolloutOutcome, tags=["rollouts"])
-    async def rollout(body: RunRollout, who: Caller) -> RolloutOutcome:
+    async def rollout(body: RunRollout, who: Caller) -> Response:
         """For services: run one rollout on the org's Task App with the org's key."""
         who_may(who, body.org_id, Scope.ROLLOUTS_RUN)
         if who.kind != "service":
             raise AuthError(403, "only service tokens with rollouts:run may run rollouts")
-        return await gateway.rollout(
+        outcome = await gateway.rollout(
             body.org_id, body.task_app, body.request, body.job_id, body.timeout_s
         )
+        # Built and checked by the gateway: encoded once, not validated again on the way out.
+        return Response(outcome.model_dump_json(), media_type="application/json")
 
     return app
 
