@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 
 import psutil
-from bench_common import copy_task_node, write_results
+from bench_common import copy_task_node, job_config, training_arguments, write_results
 
-from rlnode.examples import example_job
 from rlnode.messages import JobEventType
 from rlnode.models.build import init_tiny_model
 from rlnode.node.chaos import BROKER, pid_of, targets, task_app_target
@@ -38,15 +37,7 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 async def run(node, org, model: Path, args, pids: dict[str, int]) -> dict:
-    config = example_job(
-        "copy_task",
-        model,
-        steps=args.steps,
-        prompts_per_step=args.prompts,
-        group_size=args.group,
-        max_async=args.max_async,
-        checkpoint_every=100_000,
-    )
+    config = job_config(model, args)
     per_step = args.prompts * args.group
     marks: list[tuple[int, float, dict[str, float]]] = []
     async with node.jobs(org) as jobs:
@@ -75,10 +66,8 @@ async def run(node, org, model: Path, args, pids: dict[str, int]) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--prompts", type=int, default=16)
-    parser.add_argument("--group", type=int, default=16)
-    parser.add_argument("--max-async", type=int, default=2)
+    training_arguments(parser, steps=30, max_async=2)
+    parser.set_defaults(prompts=16, group=16)
     parser.add_argument("--warmup", type=int, default=3, help="steps before the measurement")
     parser.add_argument("--repeats", type=int, default=2)
     args = parser.parse_args()

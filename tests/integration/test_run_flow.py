@@ -504,7 +504,15 @@ def test_a_tool_calling_task_trains_through_the_node_and_its_checkpoint_calls_to
     running, org, _config, directory = node
     assert running.register_example_task_app(org, "calculator", "calculator")["ok"]
     job = example_job(
-        "copy_task", tool_model, steps=2, prompts_per_step=2, group_size=4, checkpoint_every=2
+        "copy_task",
+        tool_model,
+        steps=2,
+        prompts_per_step=2,
+        group_size=4,
+        checkpoint_every=2,
+        # Small steps: the checkpoint must still call tools below (at the copy task's 3e-3,
+        # two steps can undo the toy's fine-tuning, as one CI run saw).
+        learning_rate=1e-5,
     )
     job = JobConfig.model_validate(
         job.model_dump(mode="json")

@@ -289,7 +289,9 @@ async def test_a_tool_calling_task_trains_on_exactly_the_tokens_sampled(tool_mod
     """The calculator Task App over several turns: the calls the model writes reach the
     episode as `tool_calls`, their results come back as tool messages in the next turn's
     prompt, and every turn trained is exactly what the engine sampled (ids and logprobs)."""
-    job = config(tool_model, steps=2, max_async=0, prompts_per_step=2, group_size=4)
+    job = config(
+        tool_model, steps=2, max_async=0, prompts_per_step=2, group_size=4, learning_rate=1e-5
+    )
     job = job.model_copy(
         update={
             "sampling": job.sampling.model_copy(update={"max_tokens": 96}),
