@@ -19,6 +19,7 @@ from pathlib import Path
 from rlnode.messages import JobConfig, RolloutWork, SamplingSpec, Trajectory
 from rlnode.messages.config import EvalSpec
 from rlnode.messages.jobs import EvalCompletedData, SeedEval
+from rlnode.training.storage import temporary_sibling
 
 EVAL_NAMESPACE = uuid.UUID("0b7f6f52-3c1d-4b0e-8f3e-5d7a9e2c4a61")
 
@@ -151,9 +152,9 @@ def record_round(job_root: Path, data: EvalCompletedData) -> Path:
     directory = evals_dir(job_root)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{data.step:06d}.json"
-    partial = path.with_suffix(".json.partial")
-    partial.write_text(json.dumps(data.model_dump(mode="json"), indent=1) + "\n")
-    partial.replace(path)
+    temporary = temporary_sibling(path)
+    temporary.write_text(json.dumps(data.model_dump(mode="json"), indent=1) + "\n")
+    temporary.replace(path)
     return path
 
 

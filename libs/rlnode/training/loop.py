@@ -45,6 +45,7 @@ from rlnode.training.evaluation import (
     EvalRound,
     eval_message,
     eval_work,
+    evals_dir,
     record_round,
     recorded_rounds,
     summarise,
@@ -571,7 +572,8 @@ class JobRunner:
 
     async def _resume(self) -> bool:
         # What writes cut short by a crash left (no reader takes it; see training.storage).
-        for directory in {self.root / "checkpoints", self.root / "weights", self.weights_dir}:
+        stores = {self.root / "checkpoints", self.root / "weights", self.weights_dir}
+        for directory in {*stores, evals_dir(self.root)}:
             if removed := await asyncio.to_thread(remove_temporaries, directory):
                 log.warning("job %s: removed unfinished writes %s", self.job_id, removed)
         checkpoints = (
