@@ -61,7 +61,8 @@ def scripted_policy() -> tuple[FastAPI, Counter]:
 
 def misbehaving_taskapps(key: str) -> FastAPI:
     """One server, one misbehaviour per path prefix: /garbage, /shape, /hang, /crash,
-    /synth400, /noreward, /nokeycheck. All but /nokeycheck check the key."""
+    /synth400, /noreward, /nokeycheck, /oddseeds (crashes on odd seeds only). All but
+    /nokeycheck check the key."""
     app = FastAPI()
 
     def check(mode: str, given: str | None) -> None:
@@ -94,7 +95,7 @@ def misbehaving_taskapps(key: str) -> FastAPI:
             return {"run_id": body["run_id"], "result": "done"}
         if mode == "hang":
             await asyncio.sleep(60)
-        if mode == "crash":
+        if mode == "crash" or (mode == "oddseeds" and body["env"]["seed"] % 2):
             raise HTTPException(500, "Traceback: KeyError 'board'")
         if mode == "noreward":
             return {

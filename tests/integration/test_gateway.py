@@ -285,6 +285,23 @@ def test_misbehaving_task_apps_give_classified_errors(
     assert httpx.get(f"{node.gateway.url}/health").json()["status"] == "ok"
 
 
+def test_a_group_call_answers_each_rollout_in_order_each_failing_alone(node: Node) -> None:
+    with node.client() as gateway:
+        gateway.register("odd", url=f"{node.bad_url}/oddseeds")
+    requests = [rollout_request(node, seed) for seed in range(5)]
+    with node.client(node.generator_token) as gateway:
+        outcomes = gateway.rollouts(node.org_a, "odd", requests, job_id="job-1")
+        full = gateway.rollouts(node.org_a, "odd", requests[:1], with_response=True)
+    assert [o["run_id"] for o in outcomes] == [r["run_id"] for r in requests]
+    assert [o["status"] for o in outcomes] == ["ok", "failed", "ok", "failed", "ok"]
+    assert {o["error"]["kind"] for o in outcomes if o["error"]} == {"task_app_error"}
+    assert outcomes[0]["result"]["reward"] == 0.5 and outcomes[0]["response"] is None
+    assert full[0]["response"]["run_id"] == requests[0]["run_id"]  # only when asked
+    with node.client(node.generator_token) as gateway, pytest.raises(GatewayError) as empty:
+        gateway.rollouts(node.org_a, "odd", [])
+    assert empty.value.status == 422 and "requests" in str(empty.value)
+
+
 def test_unreachable_task_app_is_retried_then_classified(node: Node) -> None:
     with node.client() as gateway:
         gateway.register("gone", url=f"http://127.0.0.1:{free_port()}")
@@ -339,14 +356,20 @@ def test_another_org_cannot_see_or_call_it(node: Node) -> None:
             method, base + path, headers={"Authorization": f"Bearer {node.token_b}"}
         )
         assert response.status_code == 403, (method, path, response.text)
-    body = {"org_id": node.org_a, "task_app": "private", "request": rollout_request(node)}
-    for token in (node.generator_token_b, node.token_b, node.token_a):  # B's service; any org token
-        response = httpx.post(
-            f"{base}/v1/rollouts", json=body, headers={"Authorization": f"Bearer {token}"}
-        )
-        assert response.status_code == 403, response.text
-    response = httpx.post(f"{base}/v1/rollouts", json=body)
-    assert response.status_code == 401
+    one = {"org_id": node.org_a, "task_app": "private", "request": rollout_request(node)}
+    group = {"org_id": node.org_a, "task_app": "private", "requests": [rollout_request(node)]}
+    for path, body in (("/v1/rollouts", one), ("/v1/rollout-groups", group)):
+        for token in (
+            node.generator_token_b,
+            node.token_b,
+            node.token_a,
+        ):  # B's service; org tokens
+            response = httpx.post(
+                base + path, json=body, headers={"Authorization": f"Bearer {token}"}
+            )
+            assert response.status_code == 403, response.text
+        response = httpx.post(base + path, json=body)
+        assert response.status_code == 401
     with node.client(node.token_b) as gateway_b:
         assert [a["name"] for a in gateway_b.list()] == []
         with pytest.raises(GatewayError) as info:

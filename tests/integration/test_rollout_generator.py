@@ -122,15 +122,16 @@ def work_items(
     count: int,
     task_app: str = "copy",
     policy_version: int = 0,
+    step: int = 0,
     **config,
 ) -> list[RolloutWork]:
     return [
         RolloutWork(
             job_id=job_id,
             org_id=stack.org_id,
-            step=0,
+            step=step,
             policy_version=policy_version,
-            group_id=f"0/{i // 2}",
+            group_id=f"{step}/{i // 2}",
             seed=i // 2,
             sample_index=i % 2,
             group_size=2,
@@ -140,6 +141,16 @@ def work_items(
         )
         for i in range(count)
     ]
+
+
+def sample_ids(items: list[RolloutWork]) -> dict:
+    """Each sample's id (its trajectory's work_id): (work item, sample index)."""
+    return {w.sample_id(i): (w, i) for w in items for i in w.sample_indices}
+
+
+def only_sample(work: RolloutWork):
+    assert work.samples == 1
+    return work.sample_id(work.sample_index)
 
 
 async def collect(
@@ -190,19 +201,25 @@ async def test_work_in_trajectories_out_with_reproducible_logprobs(
     )
     generator.wait_healthy()
     job_id = unique_id("job")
-    items = work_items(stack, tiny_model, job_id, 6)
+    # Three groups of two: one item each (both samples), run with one gateway call.
+    items = [
+        w.model_copy(update={"samples": 2})
+        for w in work_items(stack, tiny_model, job_id, 6)
+        if w.sample_index == 0
+    ]
     producer = make_bus("learner-test", signer=stack.signer("learner"))
     await producer.start()
     for item in items:
         await producer.publish(item)
-    trajectories = await collect(make_bus, job_id, len(items))
-    assert {t.work_id for t in trajectories} == {w.id for w in items}
-    by_work = {t.work_id: t for t in trajectories}
+    trajectories = await collect(make_bus, job_id, 6)
+    samples = sample_ids(items)
+    assert {t.work_id for t in trajectories} == set(samples) and len(samples) == 6
+    assert len({t.rollout_id for t in trajectories}) == 6  # each sample a rollout of its own
     engine = TorchEngine(tiny_model)
-    for work in items:
-        t = by_work[work.id]
+    for t in trajectories:
+        work, index = samples[t.work_id]
         assert t.status == "ok", t.failure
-        assert (t.seed, t.sample_index, t.group_id) == (work.seed, work.sample_index, work.group_id)
+        assert (t.seed, t.sample_index, t.group_id) == (work.seed, index, work.group_id)
         assert 0.0 <= t.reward <= 1.0 and t.step_rewards == [t.reward]
         (turn,) = t.turns
         assert turn.policy_version == 0 and 1 <= len(turn.completion_ids) <= 8
@@ -293,7 +310,7 @@ async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
     await producer.publish(good)
     # Tagged with version 2, as the learner tags work: the generator waits until it has
     # loaded v2 before sampling them (no sleep standing in for that).
-    later = work_items(stack, tiny_model, job_id, 2, policy_version=2)
+    later = work_items(stack, tiny_model, job_id, 2, policy_version=2, step=1)
     for item in later:
         await producer.publish(item)
     trajectories = await collect(
@@ -310,7 +327,7 @@ async def test_weight_versions_load_with_parity_and_bad_checksums_are_refused(
     assert [e.data["version"] for e in refused] == [1] and "BLAKE3" in refused[0].data["reason"]
     assert [e.data["version"] for e in loaded] == [2]
     assert loaded[0].data["probe_ok"] is True and loaded[0].data["probe_max_abs_diff"] < 1e-4
-    later_ids = {w.id for w in later}
+    later_ids = set(sample_ids(later))
     for t in trajectories:
         if t.work_id in later_ids:
             assert t.turns[0].policy_version == 2
@@ -369,7 +386,7 @@ async def test_two_generators_share_work_and_a_killed_one_loses_none(
     collector.subscribe(topics.TRAJECTORIES, on_trajectory, group_id=None)
     await collector.start()
     await asyncio.wait_for(done.wait(), 120)
-    assert {w.id for w in items} == set(seen)  # no work item lost
+    assert set(sample_ids(items)) == set(seen)  # no work item lost
     generators = {t.generator for ts in seen.values() for t in ts}
     assert generators == {"a", "b"}, generators  # both worked before b died
     assert all(t.status == "ok" for ts in seen.values() for t in ts)
@@ -479,14 +496,14 @@ async def test_a_failed_rollout_is_published_as_failed_not_dropped(
         await producer.publish(item)
     trajectories = {t.work_id: t for t in await collect(make_bus, job_id, 2)}
     trajectories |= {t.work_id: t for t in await collect(make_bus, other_job, 1)}
-    failed = trajectories[unknown_app.id]
+    failed = trajectories[only_sample(unknown_app)]
     assert failed.status == "failed" and failed.failure.kind == "task_app_unreachable"
     assert "no Task App named 'not-registered'" in failed.failure.message
-    unloadable = trajectories[bad_model.id]
+    unloadable = trajectories[only_sample(bad_model)]
     assert unloadable.status == "failed" and unloadable.failure.kind == "inference_error"
     assert "cannot load the job's model" in unloadable.failure.message
     # Failures are answers: the work after them is done and the partition moves on.
-    assert trajectories[fine.id].status == "ok"
+    assert trajectories[only_sample(fine)].status == "ok"
     status = await generator_status(stack, generator)
     assert status["rollouts_in_flight"] == 0
     assert generator.stop() == 0
@@ -568,7 +585,7 @@ async def test_sigterm_mid_run_exits_cleanly_and_leaves_unfinished_work_to_other
         )
         trajectories = await collect(make_bus, job_id, len(items), within_s=120)
         assert second.stop() == 0
-    assert {t.work_id for t in trajectories} == {w.id for w in items}
+    assert {t.work_id for t in trajectories} == set(sample_ids(items))
     assert all(t.status == "ok" for t in trajectories), [
         t.failure for t in trajectories if t.failure
     ]
@@ -610,7 +627,7 @@ async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads
     generator.wait_healthy()
     job_id = unique_id("job")
     items = work_items(stack, qwen_model, job_id, 2) + [
-        w.model_copy(update={"id": uuid.uuid4(), "group_id": "1/0", "seed": 5})
+        w.model_copy(update={"id": uuid.uuid4(), "group_id": "0/1", "seed": 5})
         for w in work_items(stack, qwen_model, job_id, 2, task_app="guess", high=1000, max_turns=3)
     ]
     producer = make_bus("learner-test", signer=stack.signer("learner"))
@@ -667,7 +684,7 @@ async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads
             probe=probe,
         )
     )
-    later = work_items(stack, qwen_model, job_id, 2, policy_version=1)
+    later = work_items(stack, qwen_model, job_id, 2, policy_version=1, step=1)
     for item in later:
         await producer.publish(item)
     events: list[JobEvent] = []
@@ -682,7 +699,7 @@ async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads
     (loaded,) = [e for e in events if e.type is JobEventType.WEIGHTS_LOADED]
     assert loaded.data["probe_ok"] is True, loaded.data
     assert loaded.data["probe_max_abs_diff"] < 1e-3
-    later_ids = {w.id for w in later}
+    later_ids = set(sample_ids(later))
     for t in after:
         if t.work_id in later_ids:
             (turn,) = t.turns

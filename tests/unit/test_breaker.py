@@ -179,7 +179,12 @@ class FlakyTaskApp(Loop):
         failure = RolloutFailure(kind=UNREACHABLE, message="connection refused")
         for item in work:
             if item.step in self.failing:
-                self.deliver(trajectory_of(item, "r", "flaky", time.monotonic(), [], None, failure))
+                for sample in item.sample_indices:
+                    self.deliver(
+                        trajectory_of(
+                            item, sample, f"r{sample}", "flaky", time.monotonic(), [], None, failure
+                        )
+                    )
         await self.generator.on_work([w for w in work if w.step not in self.failing])
 
     def paused(self) -> bool:

@@ -105,14 +105,15 @@ def test_a_rounds_work_is_the_held_out_seeds_in_eval_mode() -> None:
         10,
         {"every": 5, "seeds": {"start": 500, "count": 2}, "samples": 3, "temperature": 0.0},
     )
-    work = eval_work("j", "o", config, step=5, version=7)
-    assert [(w.seed, w.sample_index) for w in work] == [
-        (s, i) for s in (500, 501) for i in range(3)
+    work = eval_work("j", "o", config, step=5, version=7, samples_per_work=2)
+    assert [(w.seed, w.sample_index, w.samples) for w in work] == [
+        (s, first, count) for s in (500, 501) for first, count in ((0, 2), (2, 1))
     ]
     assert {(w.mode, w.step, w.policy_version, w.sampling.temperature) for w in work} == {
         ("eval", 5, 7, 0.0)
     }
-    assert work[0].id == eval_work("j", "o", config, step=5, version=9)[0].id  # same work again
+    again = eval_work("j", "o", config, step=5, version=9, samples_per_work=2)
+    assert [w.id for w in work] == [w.id for w in again]  # the same work again
     assert rollout_request(work[0], "r", "http://x").mode == "eval"
     train = work[0].model_copy(update={"mode": "train"})
     assert rollout_request(train, "r", "http://x").mode == "rl"

@@ -48,10 +48,19 @@ class Loop:
         job_id: str = "job-loop",
         probe: Probe | None = None,
         task_app: TaskAppDefinition = copy_task.DEFINITION,
+        samples_per_work: int = 16,
     ) -> None:
         self.transport = InMemoryTransport()
         self.runner = JobRunner(
-            job_id, "org", job, self.transport, root, ["cpu"], 60.0, probe=probe
+            job_id,
+            "org",
+            job,
+            self.transport,
+            root,
+            ["cpu"],
+            60.0,
+            probe=probe,
+            samples_per_work=samples_per_work,
         )
         self.engine = TorchEngine(model, dtype="float32", max_wait_ms=1)
         self.generator = InProcessGenerator(self.engine, task_app, self.deliver).attach(
@@ -91,7 +100,24 @@ async def test_work_runs_at_most_max_async_versions_ahead(tiny_model, tmp_path, 
     # ... and sampled from a policy at most max_async versions behind the one it trains.
     if max_async == 0:
         assert all(s["staleness_max"] == 0 for s in steps)
-    assert len(loop.transport.work) == 4 * 2 * 4
+    # A work item per group (of 4 samples), each sample trained once.
+    assert len(loop.transport.work) == 4 * 2
+    assert sum(w.samples for w in loop.transport.work) == 4 * 2 * 4
+
+
+async def test_a_group_split_over_work_items_trains_each_sample_once(tiny_model, tmp_path):
+    loop = Loop(tiny_model, tmp_path, config(tiny_model, steps=2, max_async=1), samples_per_work=3)
+    await loop.run()
+    # Groups of 4 as items of at most 3: two items of 2 (as even as they come).
+    assert [(w.group_id, w.sample_index, w.samples) for w in loop.transport.work[:2]] == [
+        ("0/0", 0, 2),
+        ("0/0", 2, 2),
+    ]
+    assert len({w.id for w in loop.transport.work}) == len(loop.transport.work) == 2 * 2 * 2
+    assert [b["count"] for b in loop.events(JobEventType.ROLLOUT_BATCH)] == [8, 8]
+    trained = trained_work_ids(tmp_path / "org" / "job-loop" / "checkpoints")
+    samples = {str(w.sample_id(i)) for w in loop.transport.work for i in w.sample_indices}
+    assert sorted(trained) == sorted(samples)
 
 
 async def test_a_trajectory_offered_twice_is_trained_once(tiny_model, tmp_path):
@@ -161,9 +187,11 @@ async def test_a_resumed_loop_reissues_the_same_work_and_trains_nothing_twice(ti
     before = {w.id for w in first.transport.work if w.step in (2, 3)}
     after = {w.id for w in second.transport.work if w.step in (2, 3)}
     assert before == after
-    every_item = {str(w.id) for w in first.transport.work if w.step < 4}
+    every_sample = {
+        str(w.sample_id(i)) for w in first.transport.work if w.step < 4 for i in w.sample_indices
+    }
     trained = trained_work_ids(tmp_path / "org" / "job-loop" / "checkpoints")
-    assert sorted(trained) == sorted(every_item)  # each of the 4 x 8 work items, once
+    assert sorted(trained) == sorted(every_sample)  # each of the 4 x 8 samples, once
     # A checkpoint holds the ids since the one before, not all of them.
     assert len(second.runner.trained) == 0  # cleared by the final checkpoint
     # Weight versions keep rising across the restart (generators roll back to the checkpoint).

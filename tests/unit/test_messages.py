@@ -18,6 +18,7 @@ from rlnode.messages import (
     JobEventType,
     JobRequest,
     ParityProbe,
+    RolloutWork,
     TokenTurn,
     Trajectory,
     WeightVersion,
@@ -138,6 +139,23 @@ def test_the_breaker_has_defaults() -> None:
     breaker = example_config().training.breaker
     assert (breaker.max_failed_share, breaker.consecutive_steps) == (0.5, 2)
     assert breaker.give_up_after_s == 600.0
+
+
+def test_a_work_item_holds_samples_of_one_group_and_names_each() -> None:
+    work = next(m for m in example_payloads() if isinstance(m, RolloutWork))
+    whole = work.model_copy(update={"sample_index": 0, "samples": 7, "group_size": 7})
+    parts = whole.split(3)
+    assert [(p.sample_index, p.samples) for p in parts] == [(0, 3), (3, 2), (5, 2)]
+    assert len({p.id for p in parts}) == 3 and whole.split(3)[1].id == parts[1].id
+    # A sample's id depends on the job, the group and the index, not on how it was split.
+    assert parts[1].sample_id(4) == whole.sample_id(4) == whole.split(7)[0].sample_id(4)
+    assert len({whole.sample_id(i) for i in whole.sample_indices}) == 7
+    with pytest.raises(ValidationError, match=r"samples 3..7 are outside a group of 7"):
+        RolloutWork.model_validate(
+            {**whole.model_dump(by_alias=True), "sample_index": 3, "samples": 5}
+        )
+    with pytest.raises(ValidationError, match="samples"):
+        RolloutWork.model_validate({**whole.model_dump(by_alias=True), "samples": 0})
 
 
 def test_turn_logprobs_must_align_with_tokens() -> None:

@@ -23,7 +23,13 @@ from rlnode.messages.jobs import (
     JobRequest,
     ends_the_job,
 )
-from rlnode.messages.rollouts import RolloutFailure, RolloutWork, TokenTurn, Trajectory
+from rlnode.messages.rollouts import (
+    RolloutFailure,
+    RolloutWork,
+    TokenTurn,
+    Trajectory,
+    sample_id,
+)
 from rlnode.messages.weights import ParityProbe, WeightVersion
 
 # Every top-level payload type, by its `schema` tag.
@@ -63,5 +69,6 @@ __all__ = [
     "Trajectory",
     "WeightVersion",
     "ends_the_job",
+    "sample_id",
     "utc_now",
 ]

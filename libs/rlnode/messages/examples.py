@@ -31,6 +31,7 @@ def example_payloads(job_id: str = "job-example", org_id: str = "org-example") -
         group_id="3/17",
         seed=17,
         sample_index=1,
+        samples=2,
         group_size=4,
         model=config.model,
         task_app=config.task_app,
@@ -76,7 +77,7 @@ def example_payloads(job_id: str = "job-example", org_id: str = "org-example") -
         work,
         Trajectory(
             **ids,
-            work_id=work.id,
+            work_id=work.sample_id(1),
             rollout_id="r-" + uuid.uuid4().hex,
             generator="rollout-generator/0",
             step=3,
@@ -92,7 +93,7 @@ def example_payloads(job_id: str = "job-example", org_id: str = "org-example") -
         ),
         Trajectory(
             **ids,
-            work_id=work.id,
+            work_id=work.sample_id(2),
             rollout_id="r-" + uuid.uuid4().hex,
             generator="rollout-generator/0",
             step=3,

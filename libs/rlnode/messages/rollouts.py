@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from typing import ClassVar, Literal
-from uuid import UUID
+from uuid import UUID, uuid5
 
 from pydantic import (
     Field,
@@ -21,18 +21,31 @@ from rlnode.messages.config import ModelSpec, SamplingSpec, TaskAppSpec
 # the Task App's mode "eval" and never trained on.
 RolloutMode = Literal["train", "eval"]
 
+# Namespace of the samples' ids (`RolloutWork.sample_id`); the learner's before work items
+# held several samples, so the ids of a job's samples did not change with them.
+SAMPLE_NAMESPACE = UUID("5f0c1c2e-7d0b-4a3e-9a55-2b8f3c1e9d10")
+MAX_SAMPLES_PER_WORK = 1024
+
 
 class RolloutWork(Envelope):
-    """One rollout to run: sample `sample_index` of the group for `seed` in training `step`."""
+    """Rollouts to run: samples `sample_index` .. `sample_index + samples - 1` of the group
+    for `seed` in training `step`. A generator runs them together (one call to the gateway,
+    one record in and out of the broker for the lot) and publishes a trajectory per sample;
+    each sample fails or succeeds alone."""
 
-    SCHEMA: ClassVar[Literal["rlnode.RolloutWork/1"]] = "rlnode.RolloutWork/1"
-    schema_: Literal["rlnode.RolloutWork/1"] = Field(SCHEMA, alias="schema")
+    SCHEMA: ClassVar[Literal["rlnode.RolloutWork/2"]] = "rlnode.RolloutWork/2"
+    schema_: Literal["rlnode.RolloutWork/2"] = Field(SCHEMA, alias="schema")
 
     step: NonNegativeInt = Field(description="The training step whose batch this belongs to.")
     policy_version: NonNegativeInt = Field(description="Newest policy version when issued.")
     group_id: str = Field(min_length=1, max_length=200)
     seed: int
-    sample_index: NonNegativeInt
+    sample_index: NonNegativeInt = Field(description="The first sample of the group here.")
+    samples: PositiveInt = Field(
+        1,
+        le=MAX_SAMPLES_PER_WORK,
+        description="How many of the group's samples, from sample_index.",
+    )
     group_size: PositiveInt
     model: ModelSpec
     task_app: TaskAppSpec
@@ -41,11 +54,47 @@ class RolloutWork(Envelope):
 
     @model_validator(mode="after")
     def _index_in_group(self) -> RolloutWork:
-        if self.sample_index >= self.group_size:
+        if self.sample_index + self.samples > self.group_size:
             raise ValueError(
-                f"sample_index {self.sample_index} is outside a group of {self.group_size}"
+                f"samples {self.sample_index}..{self.sample_index + self.samples - 1} are "
+                f"outside a group of {self.group_size}"
             )
         return self
+
+    @property
+    def sample_indices(self) -> range:
+        return range(self.sample_index, self.sample_index + self.samples)
+
+    def sample_id(self, sample_index: int) -> UUID:
+        """The id of one sample's trajectory (`Trajectory.work_id`): the job, the group and
+        the index, so that work issued again after a restart, however it is split into
+        items, is recognised as the same."""
+        return sample_id(self.job_id, self.group_id, sample_index)
+
+    def split(self, samples_per_work: int) -> list[RolloutWork]:
+        """These samples as items of at most `samples_per_work`, as even as they come, each
+        with an id of its own derived from the group's (deterministic, like sample ids)."""
+        items = -(-self.samples // samples_per_work)
+        base, extra = divmod(self.samples, items)
+        parts, first = [], self.sample_index
+        for i in range(items):
+            count = base + (1 if i < extra else 0)
+            key = f"{self.job_id}/{self.group_id}/{first}+{count}"
+            parts.append(
+                self.model_copy(
+                    update={
+                        "id": uuid5(SAMPLE_NAMESPACE, key),
+                        "sample_index": first,
+                        "samples": count,
+                    }
+                )
+            )
+            first += count
+        return parts
+
+
+def sample_id(job_id: str, group_id: str, sample_index: int) -> UUID:
+    return uuid5(SAMPLE_NAMESPACE, f"{job_id}/{group_id}/{sample_index}")
 
 
 class TokenTurn(StrictModel):
@@ -94,7 +143,7 @@ class Trajectory(Envelope):
     SCHEMA: ClassVar[Literal["rlnode.Trajectory/1"]] = "rlnode.Trajectory/1"
     schema_: Literal["rlnode.Trajectory/1"] = Field(SCHEMA, alias="schema")
 
-    work_id: UUID
+    work_id: UUID = Field(description="The sample's id: `RolloutWork.sample_id(sample_index)`.")
     rollout_id: str = Field(min_length=1, max_length=200)
     generator: str = Field(min_length=1, max_length=200)
     step: NonNegativeInt

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rlnode.sdk.http import ApiClient, ApiError
 from rlnode.service.registry import GATEWAY
 
@@ -81,3 +83,25 @@ class GatewayClient(ApiClient):
             "request": request,
         }
         return self._request("POST", "/v1/rollouts", json=body)
+
+    def rollouts(
+        self,
+        org_id: str,
+        task_app: str,
+        requests: Sequence[dict],
+        *,
+        job_id: str | None = None,
+        timeout_s: float | None = None,
+        with_response: bool = False,
+    ) -> Sequence[dict]:
+        """For services (rollouts:run): several rollouts of one job at once, each failing
+        alone; their outcomes in the order asked."""
+        body = {
+            "org_id": org_id,
+            "task_app": task_app,
+            "job_id": job_id,
+            "timeout_s": timeout_s,
+            "requests": list(requests),
+            "with_response": with_response,
+        }
+        return self._request("POST", "/v1/rollout-groups", json=body)["outcomes"]

@@ -44,6 +44,7 @@ def rollout_request(work: RolloutWork, rollout_id: str, inference_url: str) -> R
 
 def trajectory(
     work: RolloutWork,
+    sample_index: int,
     rollout_id: str,
     generator: str,
     started: float,
@@ -51,7 +52,7 @@ def trajectory(
     outcome: NormalisedRollout | None = None,
     failure: RolloutFailure | None = None,
 ) -> Trajectory:
-    """The trajectory of a rollout: ok with the outcome's rewards, or failed with why. An
+    """The trajectory of sample `sample_index` of `work`: ok with the outcome's rewards, or failed with why. An
     outcome without any recorded turn is a failure: the Task App never asked the policy.
     `started` is the rollout's `time.monotonic()` start."""
     fields: dict[str, Any]
@@ -74,13 +75,13 @@ def trajectory(
     return Trajectory(
         job_id=work.job_id,
         org_id=work.org_id,
-        work_id=work.id,
+        work_id=work.sample_id(sample_index),
         rollout_id=rollout_id,
         generator=generator,
         step=work.step,
         group_id=work.group_id,
         seed=work.seed,
-        sample_index=work.sample_index,
+        sample_index=sample_index,
         mode=work.mode,
         duration_s=time.monotonic() - started,
         turns=turns,

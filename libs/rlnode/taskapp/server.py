@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Annotated, Any, Protocol
 
 from fastapi import Depends, FastAPI, Header, HTTPException, Query, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 
 from rlnode.service.pooled_http import PooledHttp
 from rlnode.taskapp.contract import (
@@ -211,10 +211,8 @@ def create_task_app(definition: TaskAppDefinition) -> FastAPI:
             raise HTTPException(400, f"ask for at most {MAX_TASK_INFO_SEEDS} seeds at once")
         return [task_info(seed, {}).model_dump() for seed in seeds]
 
-    @app.post("/rollout")
-    async def rollout(
-        request: RolloutRequest, http_request: Request, _: Authorized
-    ) -> dict[str, Any]:
+    @app.post("/rollout", response_model=RolloutResponse)
+    async def rollout(request: RolloutRequest, http_request: Request, _: Authorized) -> Response:
         policy_config = request.policy.config
         policy = InferenceClient(
             policy_config.inference_url,
@@ -233,7 +231,9 @@ def create_task_app(definition: TaskAppDefinition) -> FastAPI:
             raise HTTPException(502, str(e)) from None
         finally:
             await policy.aclose()
-        return response.model_dump()
+        # Encoded once by pydantic: FastAPI would turn the model into a dict, check it against
+        # the response model and encode that again.
+        return Response(response.model_dump_json(), media_type="application/json")
 
     return app
 

@@ -21,14 +21,6 @@ from rlnode.messages.config import EvalSpec
 from rlnode.messages.jobs import EvalCompletedData, SeedEval
 from rlnode.training.storage import temporary_sibling
 
-EVAL_NAMESPACE = uuid.UUID("0b7f6f52-3c1d-4b0e-8f3e-5d7a9e2c4a61")
-
-
-def eval_work_id(job_id: str, step: int, seed: int, sample: int) -> uuid.UUID:
-    """Deterministic, like training work: a round issued again after a restart is the same
-    work, and trajectories of the first issue still count."""
-    return uuid.uuid5(EVAL_NAMESPACE, f"{job_id}/eval/{step}/{seed}/{sample}")
-
 
 @dataclass
 class EvalRound:
@@ -53,30 +45,30 @@ def eval_sampling(config: JobConfig) -> SamplingSpec:
 
 
 def eval_work(
-    job_id: str, org_id: str, config: JobConfig, step: int, version: int
+    job_id: str, org_id: str, config: JobConfig, step: int, version: int, samples_per_work: int
 ) -> list[RolloutWork]:
     """Every held-out seed, `samples` times, to sample from weight version `version`."""
     spec = _spec(config)
     sampling = eval_sampling(config)
-    return [
-        RolloutWork(
-            id=eval_work_id(job_id, step, seed, sample),
+    work = []
+    for seed in spec.seeds.range:
+        group = RolloutWork(
             job_id=job_id,
             org_id=org_id,
             step=step,
             policy_version=version,
             group_id=f"eval/{step}/{seed}",
             seed=seed,
-            sample_index=sample,
+            sample_index=0,
+            samples=spec.samples,
             group_size=spec.samples,
             model=config.model,
             task_app=config.task_app,
             sampling=sampling,
             mode="eval",
         )
-        for seed in spec.seeds.range
-        for sample in range(spec.samples)
-    ]
+        work.extend(group.split(samples_per_work))
+    return work
 
 
 def summarise(round_: EvalRound, spec: EvalSpec) -> EvalCompletedData:

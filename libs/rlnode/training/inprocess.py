@@ -101,9 +101,10 @@ class InProcessGenerator:
 
     async def on_work(self, work: Sequence[RolloutWork]) -> None:
         for item in work:
-            task = asyncio.create_task(self._run(item))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            for sample in item.sample_indices:
+                task = asyncio.create_task(self._run(item, sample))
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
     async def on_weights(self, version: WeightVersion) -> None:
         await self.engine.load_weights(version.path, version.version, version.blake3)
@@ -111,14 +112,14 @@ class InProcessGenerator:
             self.loaded_version = max(self.loaded_version, version.version)
             self._loaded.notify_all()
 
-    async def _run(self, work: RolloutWork) -> None:
+    async def _run(self, work: RolloutWork, sample: int) -> None:
         # Never sample work from a policy older than the one it was issued at.
         async with self._loaded:
             await self._loaded.wait_for(lambda: self.loaded_version >= work.policy_version)
-        self.deliver(await self.rollout(work))
+        self.deliver(await self.rollout(work, sample))
 
-    async def rollout(self, work: RolloutWork) -> Trajectory:
-        """Always a trajectory: ok, or failed with the reason."""
+    async def rollout(self, work: RolloutWork, sample: int) -> Trajectory:
+        """Sample `sample` of `work`: always a trajectory, ok or failed with the reason."""
         started = time.monotonic()
         rollout_id = secrets.token_urlsafe(12)
         policy = _RecordingPolicy(self.engine, work)
@@ -128,9 +129,11 @@ class InProcessGenerator:
             outcome = NormalisedRollout.from_response(response)
         except Exception as e:
             failure = RolloutFailure(kind="task_app_error", message=f"{type(e).__name__}: {e}")
-            return trajectory(work, rollout_id, self.name, started, policy.turns, failure=failure)
+            return trajectory(
+                work, sample, rollout_id, self.name, started, policy.turns, failure=failure
+            )
         self.rollouts += 1
-        return trajectory(work, rollout_id, self.name, started, policy.turns, outcome)
+        return trajectory(work, sample, rollout_id, self.name, started, policy.turns, outcome)
 
     async def close(self) -> None:
         for task in self._tasks:

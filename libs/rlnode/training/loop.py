@@ -29,6 +29,7 @@ from rlnode.messages import (
     RolloutWork,
     Trajectory,
     WeightVersion,
+    sample_id,
 )
 from rlnode.messages.jobs import (
     CheckpointSavedData,
@@ -74,8 +75,9 @@ class JobFailed(Exception):
 
 
 def work_id(job_id: str, step: int, prompt: int, sample: int) -> uuid.UUID:
-    """Deterministic, so that work re-issued after a restart is recognised as the same."""
-    return uuid.uuid5(WORK_NAMESPACE, f"{job_id}/{step}/{prompt}/{sample}")
+    """The id of one training sample's trajectory. Deterministic, so that work re-issued
+    after a restart is recognised as the same."""
+    return sample_id(job_id, f"{step}/{prompt}", sample)
 
 
 class JobRunner:
@@ -96,13 +98,15 @@ class JobRunner:
         max_checkpoint_bytes: int | None = None,
         probe: Probe | None = None,
         disk_full_wait_s: float = 600.0,
+        samples_per_work: int = 16,
     ) -> None:
         """`weights_dir`: the weights store, where weight versions go when it has room
         (None: beside the checkpoints); `weights_dtype`: the engines' dtype, which they are
         written in; `probe`: asks whether the Task App answers, for the breaker (None: no
         breaker, as in the in-process benchmarks, which have no gateway to ask);
         `disk_full_wait_s`: how long a write waits for room in a full store before the job
-        fails (rlnode.training.storage)."""
+        fails (rlnode.training.storage); `samples_per_work`: samples of a group in one work
+        item (a generator runs them together; fewer spread a group over more generators)."""
         self.job_id, self.org_id, self.config = job_id, org_id, config
         self.transport = transport
         self.root = job_dir(checkpoint_root, org_id, job_id)
@@ -112,6 +116,7 @@ class JobRunner:
         self.weights_dtype = weights_dtype
         self.max_checkpoint_bytes = max_checkpoint_bytes
         self.disk_full_wait_s = disk_full_wait_s
+        self.samples_per_work = samples_per_work
         # Why the job waits for room in a store, while it does (None: it does not).
         self.waiting_for_room: str | None = None
         self.weights_dir = self.root / "weights"
@@ -266,8 +271,10 @@ class JobRunner:
         training goes on while it runs."""
         if step not in self.eval_steps or step in self.evaluated or step in self.evals:
             return
-        work = eval_work(self.job_id, self.org_id, self.config, step, self.version)
-        round_ = EvalRound(step, self.version, expected=len(work))
+        work = eval_work(
+            self.job_id, self.org_id, self.config, step, self.version, self.samples_per_work
+        )
+        round_ = EvalRound(step, self.version, expected=sum(w.samples for w in work))
         round_.results.update(self.early_evals.pop(step, {}))
         self.evals[step] = round_
         await self.transport.publish_work(work)
@@ -332,23 +339,21 @@ class JobRunner:
         for prompt in range(t.prompts_per_step):
             index = step * t.prompts_per_step + prompt
             seed = seeds.start + (index % seeds.count if seeds.count else index)
-            work.extend(
-                RolloutWork(
-                    id=work_id(self.job_id, step, prompt, sample),
-                    job_id=self.job_id,
-                    org_id=self.org_id,
-                    step=step,
-                    policy_version=self.version,
-                    group_id=f"{step}/{prompt}",
-                    seed=seed,
-                    sample_index=sample,
-                    group_size=t.group_size,
-                    model=self.config.model,
-                    task_app=self.config.task_app,
-                    sampling=self.config.sampling,
-                )
-                for sample in range(t.group_size)
+            group = RolloutWork(
+                job_id=self.job_id,
+                org_id=self.org_id,
+                step=step,
+                policy_version=self.version,
+                group_id=f"{step}/{prompt}",
+                seed=seed,
+                sample_index=0,
+                samples=t.group_size,
+                group_size=t.group_size,
+                model=self.config.model,
+                task_app=self.config.task_app,
+                sampling=self.config.sampling,
             )
+            work.extend(group.split(self.samples_per_work))
         await self.transport.publish_work(work)
         self.issued = step
 

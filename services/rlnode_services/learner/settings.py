@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
+from rlnode.messages.rollouts import MAX_SAMPLES_PER_WORK
 from rlnode.messages.topics import LEARNER_GROUP
 from rlnode.service.registry import GATEWAY, LEARNER
 from rlnode.service.settings import VaultClientSettings
@@ -57,6 +58,14 @@ class LearnerSettings(VaultClientSettings):
         description="Directories a job's model.source may name a local model in (JSON list). "
         "Besides these: Hugging Face repo ids, and the org's own checkpoints. `rlnode up` "
         "allows the temporary directory.",
+    )
+    samples_per_work: int = Field(
+        16,
+        ge=1,
+        le=MAX_SAMPLES_PER_WORK,
+        description="Samples of a group in one work item: a generator takes them as one record and "
+        "runs them with one call to the gateway; fewer spread a group over more "
+        "generators.",
     )
     max_rollouts_per_step: int = Field(
         4096, ge=1, description="prompts_per_step x group_size of one job, at most."

@@ -1,6 +1,7 @@
-"""One rollout: mint an id and an unguessable inference URL, have the gateway run the Task
-App against it, serve the Task App's inference calls from the engine while recording exactly
-what was sampled, and join that record with the rewards into a `Trajectory`."""
+"""A work item's rollouts: mint an id and an unguessable inference URL for each sample, have
+the gateway run the Task App against them (one call for the lot), serve the Task App's
+inference calls from the engine while recording exactly what was sampled, and join each
+record with its rewards into a `Trajectory`."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import logging
 import secrets
 import time
 from collections import OrderedDict
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,9 +42,11 @@ class InferenceRefused(Exception):
 class ActiveRollout:
     rollout_id: str
     work: RolloutWork
-    engines: JobEngines | None
+    sample_index: int
+    engines: JobEngines | None = None
     turns: list[TokenTurn] = field(default_factory=list)
     outcome: NormalisedRollout | None = None  # the Task App's result, once the gateway answered
+    failure: RolloutFailure | None = None  # or why there is none
 
     @property
     def policy(self) -> Engine:
@@ -88,6 +93,29 @@ class RolloutRegistry:
 
     def __len__(self) -> int:
         return len(self._active)
+
+
+class RolloutSlots:
+    """At most `capacity` rollouts in flight. A work item's samples take their slots at once,
+    so that two items never each hold part of what both need."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.free = capacity
+        self._changed = asyncio.Condition()
+
+    @asynccontextmanager
+    async def take(self, count: int) -> AsyncIterator[None]:
+        assert 0 < count <= self.capacity, "a chunk of a work item fits the slots"
+        async with self._changed:
+            await self._changed.wait_for(lambda: self.free >= count)
+            self.free -= count
+        try:
+            yield
+        finally:
+            async with self._changed:
+                self.free += count
+                self._changed.notify_all()
 
 
 class RenderedPrompts:
@@ -140,6 +168,7 @@ class RolloutRunner:
         self.pool = pool
         self.registry = registry
         self.weights = weights
+        self.slots = RolloutSlots(settings.concurrency)
         token = settings.service_token.get_secret_value() if settings.service_token else None
         self._http = PooledHttp(
             settings.gateway_url,
@@ -150,103 +179,135 @@ class RolloutRunner:
     async def aclose(self) -> None:
         await self._http.aclose()
 
-    async def run(self, work: RolloutWork) -> Trajectory:
-        """Always a trajectory: ok, or failed with the reason. Only cancellation (shutdown)
-        escapes, so that the work item stays uncommitted for another generator."""
+    async def run(self, work: RolloutWork) -> list[Trajectory]:
+        """A trajectory per sample, always: ok, or failed with the reason. Only cancellation
+        (shutdown) escapes, so that the work item stays uncommitted for another generator."""
         started = time.monotonic()
-        rollout = ActiveRollout(secrets.token_urlsafe(24), work, None)
+        rollouts = [
+            ActiveRollout(secrets.token_urlsafe(24), work, sample) for sample in work.sample_indices
+        ]
         try:
             try:
-                rollout.engines = await self.pool.for_job(work.job_id, work.model)
+                engines = await self.pool.for_job(work.job_id, work.model)
             except (EngineError, OSError, ValueError) as e:
                 # Deterministic: retrying the work item elsewhere would fail the same way.
                 failure = RolloutFailure(
                     kind="inference_error", message=f"cannot load the job's model: {e}"
                 )
-                return self._failed(rollout, failure, started)
+                return [self._failed(r, failure, started) for r in rollouts]
+            for rollout in rollouts:
+                rollout.engines = engines
             await self.weights.catch_up(work.job_id)
             await self.weights.wait_for(
                 work.job_id, work.policy_version, self.settings.weights_wait_s
             )
-            self.registry.add(rollout)
-            gateway_failure = await self._run_on_gateway(rollout)
-            if gateway_failure is None and rollout.outcome is not None:
-                return await self._trajectory(rollout, started)
-            return self._failed(
-                rollout,
-                gateway_failure or RolloutFailure(kind="internal", message="no outcome"),
-                started,
-            )
+            capacity = self.slots.capacity
+            for first in range(0, len(rollouts), capacity):
+                chunk = rollouts[first : first + capacity]
+                async with self.slots.take(len(chunk)):
+                    for rollout in chunk:
+                        self.registry.add(rollout)
+                    await self._run_on_gateway(chunk)
+            await self._add_reference_scores(rollouts)
+            return [self._trajectory(r, started) for r in rollouts]
         except asyncio.CancelledError:
             raise
         except Exception as e:
-            log.exception(
-                "rollout %s of job %s failed inside the generator", rollout.rollout_id, work.job_id
-            )
-            return self._failed(
-                rollout,
-                RolloutFailure(kind="internal", message=f"{type(e).__name__}: {e}"),
-                started,
-            )
+            log.exception("work %s of job %s failed inside the generator", work.id, work.job_id)
+            failure = RolloutFailure(kind="internal", message=f"{type(e).__name__}: {e}")
+            return [self._failed(r, failure, started) for r in rollouts]
         finally:
-            self.registry.remove(rollout.rollout_id)
+            for rollout in rollouts:
+                self.registry.remove(rollout.rollout_id)
 
-    async def _run_on_gateway(self, rollout: ActiveRollout) -> RolloutFailure | None:
-        work = rollout.work
-        inference_url = f"{self.settings.base_url()}/rollouts/{rollout.rollout_id}"
-        request = rollout_request(work, rollout.rollout_id, inference_url)
+    async def _run_on_gateway(self, rollouts: list[ActiveRollout]) -> None:
+        """One call for these rollouts; each gets its outcome or its failure."""
+        work = rollouts[0].work
+        base = f"{self.settings.base_url()}/rollouts"
         body = {
             "org_id": work.org_id,
             "task_app": work.task_app.name,
             "job_id": work.job_id,
             "timeout_s": work.task_app.rollout_timeout_s,
-            "request": request.model_dump(mode="json"),
+            "requests": [
+                rollout_request(work, r.rollout_id, f"{base}/{r.rollout_id}").model_dump(
+                    mode="json"
+                )
+                for r in rollouts
+            ],
         }
-        rollout.outcome = None
         timeout = work.task_app.rollout_timeout_s + self.settings.rollout_timeout_margin_s
+        failure = None
         try:
-            response = await self._http.post("/v1/rollouts", json=body, timeout_s=timeout)
+            response = await self._http.post("/v1/rollout-groups", json=body, timeout_s=timeout)
         except TimedOut:
-            return RolloutFailure(
+            failure = RolloutFailure(
                 kind="timeout", message=f"the gateway did not answer within {timeout:g}s"
             )
         except HttpCallError as e:
-            return RolloutFailure(
+            failure = RolloutFailure(
                 kind="internal",
                 message=f"cannot reach the gateway at {self.settings.gateway_url}: {e}",
             )
-        if response.status != 200:
-            detail = _detail(response)
-            kind = "task_app_unreachable" if response.status == 404 else "internal"
-            return RolloutFailure(
-                kind=kind, message=f"the gateway answered {response.status}: {detail}"
+        else:
+            if response.status != 200:
+                kind = "task_app_unreachable" if response.status == 404 else "internal"
+                failure = RolloutFailure(
+                    kind=kind,
+                    message=f"the gateway answered {response.status}: {_detail(response)}",
+                )
+        if failure is not None:
+            for rollout in rollouts:
+                rollout.failure = failure
+            return
+        outcomes = response.json()["outcomes"]
+        if len(outcomes) != len(rollouts):
+            failure = RolloutFailure(
+                kind="internal",
+                message=f"the gateway answered {len(outcomes)} outcomes for {len(rollouts)} rollouts",
             )
-        outcome = response.json()
-        if outcome.get("status") != "ok":
-            error = outcome.get("error") or {}
-            return RolloutFailure(
-                kind=error.get("kind", "internal"),
-                message=str(error.get("message", "failed"))[:10_000],
-            )
-        rollout.outcome = NormalisedRollout.model_validate(outcome["result"])
-        return None
+            for rollout in rollouts:
+                rollout.failure = failure
+            return
+        for rollout, outcome in zip(rollouts, outcomes, strict=True):
+            if outcome.get("status") != "ok":
+                error = outcome.get("error") or {}
+                rollout.failure = RolloutFailure(
+                    kind=error.get("kind", "internal"),
+                    message=str(error.get("message", "failed"))[:10_000],
+                )
+            else:
+                rollout.outcome = NormalisedRollout.model_validate(outcome["result"])
 
-    async def _trajectory(self, rollout: ActiveRollout, started: float) -> Trajectory:
-        turns = rollout.turns
-        reference = rollout.engines.reference if rollout.engines is not None else None
+    async def _add_reference_scores(self, rollouts: list[ActiveRollout]) -> None:
+        """The stacked reference model's logprobs of every training turn, in one call."""
+        engines = rollouts[0].engines
+        reference = engines.reference if engines is not None else None
         # An evaluation rollout is never trained on: no KL term, no reference scores.
-        if reference is not None and turns and rollout.work.mode == "train":
-            scores = await reference.score([t.prompt_ids + t.completion_ids for t in turns])
-            turns = [
-                t.model_copy(update={"ref_logprobs": s[len(t.prompt_ids) - 1 :]})
-                for t, s in zip(turns, scores, strict=True)
+        if reference is None or rollouts[0].work.mode != "train":
+            return
+        scored = [r for r in rollouts if r.outcome is not None and r.failure is None and r.turns]
+        turns = [t for r in scored for t in r.turns]
+        if not turns:
+            return
+        scores = iter(await reference.score([t.prompt_ids + t.completion_ids for t in turns]))
+        for rollout in scored:
+            rollout.turns = [
+                t.model_copy(update={"ref_logprobs": next(scores)[len(t.prompt_ids) - 1 :]})
+                for t in rollout.turns
             ]
+
+    def _trajectory(self, rollout: ActiveRollout, started: float) -> Trajectory:
+        if rollout.failure is not None or rollout.outcome is None:
+            failure = rollout.failure or RolloutFailure(kind="internal", message="no outcome")
+            return self._failed(rollout, failure, started)
         return trajectory(
             rollout.work,
+            rollout.sample_index,
             rollout.rollout_id,
             self.settings.generator_id,
             started,
-            turns,
+            rollout.turns,
             rollout.outcome,
         )
 
@@ -255,6 +316,7 @@ class RolloutRunner:
     ) -> Trajectory:
         return trajectory(
             rollout.work,
+            rollout.sample_index,
             rollout.rollout_id,
             self.settings.generator_id,
             started,

@@ -1,5 +1,6 @@
-"""Taking rollout work: each item a rollout (many in flight, bounded by the subscription's
-concurrency), its trajectory published before the item counts as done. The bus commits a
+"""Taking rollout work: each item a group's samples (many in flight, bounded by the
+subscription's concurrency and the runner's slots), their trajectories published before the
+item counts as done. The bus commits a
 partition's offset only over a contiguous run of done items, so what is in flight when a
 generator dies is delivered again to another one."""
 
@@ -21,12 +22,12 @@ class WorkHandler:
     def __init__(
         self,
         bus: Bus,
-        run_rollout: Callable[[RolloutWork], Awaitable[Trajectory]],
+        run_rollouts: Callable[[RolloutWork], Awaitable[list[Trajectory]]],
         finished: FinishedJobs,
         catch_up_s: float = 30.0,
     ) -> None:
         self.bus = bus
-        self.run_rollout = run_rollout
+        self.run_rollouts = run_rollouts
         self.finished = finished
         self.catch_up_s = catch_up_s
         self.published = 0
@@ -37,7 +38,32 @@ class WorkHandler:
         if work.job_id in self.finished:
             self.finished.skipped += 1  # the job ended: nobody waits for this rollout
             return
-        await self._publish(await self.run_rollout(work))
+        await self._publish_all(await self.run_rollouts(work))
+
+    async def _publish_all(self, trajectories: list[Trajectory]) -> None:
+        """The item's trajectories together (one batch to the broker), retrying while the
+        broker is away; one at a time if one is too large, so that one is replaced alone.
+        Publishing some twice is harmless: the learner keeps one per sample id."""
+        delay = 0.5
+        while True:
+            try:
+                await self.bus.publish_all(trajectories)
+                self.published += len(trajectories)
+                return
+            except RecordTooLarge:
+                for trajectory in trajectories:
+                    await self._publish(trajectory)
+                return
+            except Exception as e:
+                log.warning(
+                    "could not publish %d trajectories of group %s (%s); retrying in %.1fs",
+                    len(trajectories),
+                    trajectories[0].group_id if trajectories else "-",
+                    e,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 10.0)
 
     async def _publish(self, trajectory: Trajectory) -> None:
         """Publish, retrying while the broker is away: a generator that cannot publish must

@@ -27,7 +27,9 @@ from rlnode_services.taskapp_gateway.schemas import (
     ManagedStatus,
     RegisterTaskApp,
     RolloutOutcome,
+    RolloutOutcomes,
     RunRollout,
+    RunRollouts,
     TaskAppOut,
     VerifyReport,
 )
@@ -151,6 +153,27 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         )
         # Built and checked by the gateway: encoded once, not validated again on the way out.
         return Response(outcome.model_dump_json(), media_type="application/json")
+
+    @app.post("/v1/rollout-groups", response_model=RolloutOutcomes, tags=["rollouts"])
+    async def rollout_group(body: RunRollouts, who: Caller) -> Response:
+        """For services: run several rollouts of one job at once (a group's samples), each
+        failing alone; answered together, in order. One call for the lot is most of what a
+        rollout costs the gateway when the Task App answers quickly (#18)."""
+        who_may(who, body.org_id, Scope.ROLLOUTS_RUN)
+        if who.kind != "service":
+            raise AuthError(403, "only service tokens with rollouts:run may run rollouts")
+        outcomes = await gateway.rollouts(
+            body.org_id,
+            body.task_app,
+            body.requests,
+            body.job_id,
+            body.timeout_s,
+            body.with_response,
+        )
+        return Response(
+            RolloutOutcomes(outcomes=list(outcomes)).model_dump_json(),
+            media_type="application/json",
+        )
 
     return app
 

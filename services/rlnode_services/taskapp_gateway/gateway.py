@@ -7,6 +7,7 @@ import asyncio
 import json
 import secrets
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from sqlalchemy.engine import Engine
@@ -316,8 +317,35 @@ class Gateway:
         request: RolloutRequest,
         job_id: str | None,
         timeout_s: float | None,
+        with_response: bool = True,
     ) -> RolloutOutcome:
+        return await self._rollout(
+            self.get(org_id, name), request, job_id, timeout_s, with_response
+        )
+
+    async def rollouts(
+        self,
+        org_id: str,
+        name: str,
+        requests: Sequence[RolloutRequest],
+        job_id: str | None,
+        timeout_s: float | None,
+        with_response: bool,
+    ) -> Sequence[RolloutOutcome]:
+        """All at once, each failing alone; in the order asked."""
         record = self.get(org_id, name)
+        return await asyncio.gather(
+            *(self._rollout(record, r, job_id, timeout_s, with_response) for r in requests)
+        )
+
+    async def _rollout(
+        self,
+        record: TaskAppRecord,
+        request: RolloutRequest,
+        job_id: str | None,
+        timeout_s: float | None,
+        with_response: bool,
+    ) -> RolloutOutcome:
         timeout = timeout_s or self.settings.rollout_timeout_s
         request.safety.max_time_s = min(request.safety.max_time_s, timeout)
         started = time.monotonic()
@@ -328,13 +356,15 @@ class Gateway:
             return self._failed(request, "task_app_auth_refused", e.message, None, started)
         except TaskAppFailure as e:
             if e.kind == "task_app_auth_refused" and record.kind == "external":
-                self.keys.forget(org_id, record.secret)  # the key may have changed in the vault
+                self.keys.forget(
+                    record.org_id, record.secret
+                )  # the key may have changed in the vault
             return self._failed(request, e.kind, e.message, e.status_code, started)
         return RolloutOutcome(
             status="ok",
             run_id=request.run_id,
             result=call.result,
-            response=call.response.model_dump(mode="json"),
+            response=call.response.model_dump(mode="json") if with_response else None,
             attempts=call.attempts,
             duration_s=time.monotonic() - started,
         )

@@ -118,6 +118,23 @@ class RunRollout(Strict):
     request: RolloutRequest
 
 
+MAX_ROLLOUTS_PER_CALL = 1024
+
+
+class RunRollouts(Strict):
+    """Rollouts of one job on one Task App (a generator sends a group's samples in one
+    call): run at once, answered together and in order."""
+
+    org_id: ResourceId
+    task_app: ResourceId
+    job_id: ResourceId | None = None
+    timeout_s: float | None = Field(None, gt=0, le=86_400)
+    requests: list[RolloutRequest] = Field(min_length=1, max_length=MAX_ROLLOUTS_PER_CALL)
+    with_response: bool = Field(
+        False, description="Include each Task App's full response beside its normalised result."
+    )
+
+
 class RolloutError(BaseModel):
     kind: str
     message: str
@@ -139,3 +156,7 @@ class RolloutOutcome(BaseModel):
 
 class ErrorOut(BaseModel):
     detail: str
+
+
+class RolloutOutcomes(BaseModel):
+    outcomes: list[RolloutOutcome]
