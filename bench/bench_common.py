@@ -79,7 +79,9 @@ def write_results(name: str, args, title: str, table: list[str], **result: Any) 
 
 
 @contextmanager
-def copy_task_node(directory: Path, generator_env: dict[str, str]) -> Iterator[tuple]:
+def copy_task_node(
+    directory: Path, generator_env: dict[str, str], gateways: int = 1
+) -> Iterator[tuple]:
     """A node for training benchmarks (no checkpoint-server), an org whose key is sealed
     and uploaded, and the managed copy-task Task App registered as "copy": (node, org)."""
     import time
@@ -91,6 +93,7 @@ def copy_task_node(directory: Path, generator_env: dict[str, str]) -> Iterator[t
             data_dir=directory,
             services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
             env={"rollout-generator": generator_env},
+            gateways=gateways,
         )
     ) as node:
         org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})

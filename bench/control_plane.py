@@ -8,13 +8,19 @@ Reports rollouts/s and CPU milliseconds per rollout of each process (user + syst
 /proc, over the steps after the first few), the broker and the Task App included. Writes
 bench/results/control_plane.{json,md}.
 
-    python bench/control_plane.py [--steps 30] [--prompts 16] [--group 16] [--warmup 3]
+With `--gateways 1,2,4` (the default), a node per count of gateway processes: each
+generator spreads its work items over them. `--before FILE` shows an earlier tree's result
+(its JSON) beside this run's.
+
+    python bench/control_plane.py [--steps 30] [--gateways 1,2,4] [--before old.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -64,13 +70,43 @@ async def run(node, org, model: Path, args, pids: dict[str, int]) -> dict:
     }
 
 
+def process_pids(node, org) -> dict[str, int]:
+    task_app = task_app_target(org, "copy")
+    pids = {
+        name.removeprefix("taskapp:").replace(f"{org.org_id}/", ""): pid_of(
+            node, name, {org.org_id: org}
+        )
+        for name in targets(node, [task_app])
+    }
+    return {("broker (Tansu)" if k == BROKER else k): v for k, v in pids.items()}
+
+
+def by_service(cpu_ms: dict[str, float]) -> dict[str, float]:
+    """CPU ms per rollout with a node's gateways summed into one row."""
+    rows: dict[str, float] = {}
+    for name, value in cpu_ms.items():
+        key = "taskapp-gateway (all)" if name.startswith("taskapp-gateway") else name
+        rows[key] = rows.get(key, 0.0) + value
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     training_arguments(parser, steps=30, max_async=2)
     parser.set_defaults(prompts=16, group=16)
     parser.add_argument("--warmup", type=int, default=3, help="steps before the measurement")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=2, help="jobs per gateway count")
+    parser.add_argument(
+        "--gateways", default="1,2,4", help="gateway counts to run, a node each (default 1,2,4)"
+    )
+    parser.add_argument(
+        "--before",
+        type=Path,
+        default=None,
+        help="a results JSON of this benchmark from an earlier tree, shown beside this run",
+    )
     args = parser.parse_args()
+    counts = [int(c) for c in args.gateways.split(",")]
     generator = {
         "GENERATOR_ENGINE": "instant",
         "GENERATOR_CONCURRENCY": "256",
@@ -79,40 +115,65 @@ def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "tiny", seed=0)
-        with copy_task_node(Path(tmp) / "node", generator) as (node, org):
-            task_app = task_app_target(org, "copy")
-            pids = {
-                name.removeprefix("taskapp:").replace(f"{org.org_id}/", ""): pid_of(
-                    node, name, {org.org_id: org}
-                )
-                for name in targets(node, [task_app])
-            }
-            pids = {("broker (Tansu)" if k == BROKER else k): v for k, v in pids.items()}
-            for round_ in range(args.repeats):
-                result = asyncio.run(run(node, org, model, args, pids))
-                runs.append(result)
-                print(
-                    f"round {round_ + 1}: {result['rollouts_per_s']:.0f} rollouts/s, "
-                    f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout",
-                    flush=True,
-                )
-    best = min(runs, key=lambda r: r["cpu_ms_per_rollout_total"])
-    names = list(best["cpu_ms_per_rollout"])
+        for count in counts:
+            directory = Path(tmp) / f"node-{count}"
+            with copy_task_node(directory, generator, gateways=count) as (node, org):
+                pids = process_pids(node, org)
+                for round_ in range(args.repeats):
+                    result = asyncio.run(run(node, org, model, args, pids))
+                    result["gateways"] = count
+                    runs.append(result)
+                    print(
+                        f"{count} gateway(s), round {round_ + 1}: "
+                        f"{result['rollouts_per_s']:.0f} rollouts/s, "
+                        f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout",
+                        flush=True,
+                    )
+    columns = [
+        (f"{r['gateways']} gw, run {i + 1}", by_service(r["cpu_ms_per_rollout"]))
+        for i, r in enumerate(runs)
+    ]
+    before = None
+    if args.before is not None:
+        previous = json.loads(args.before.read_text())
+        before = min(previous["runs"], key=lambda r: r["cpu_ms_per_rollout_total"])
+        columns.insert(
+            0,
+            (
+                f"before ({previous['machine']['commit'] or '?'})",
+                by_service(before["cpu_ms_per_rollout"]),
+            ),
+        )
+    names = list(dict.fromkeys(name for _, rows in columns for name in rows))
+    per_second = ([before["rollouts_per_s"]] if before else []) + [
+        r["rollouts_per_s"] for r in runs
+    ]
     table = [
-        "| process | " + " | ".join(f"run {i + 1}" for i in range(len(runs))) + " |",
-        "|---|" + "---|" * len(runs),
+        "| process | " + " | ".join(label for label, _ in columns) + " |",
+        "|---|" + "---|" * len(columns),
         *(
-            f"| {name} | " + " | ".join(f"{r['cpu_ms_per_rollout'][name]:.2f}" for r in runs) + " |"
+            f"| {name} | "
+            + " | ".join(f"{rows[name]:.2f}" if name in rows else "-" for _, rows in columns)
+            + " |"
             for name in names
         ),
         "| **total CPU ms per rollout** | "
-        + " | ".join(f"**{r['cpu_ms_per_rollout_total']:.2f}**" for r in runs)
+        + " | ".join(f"**{sum(rows.values()):.2f}**" for _, rows in columns)
         + " |",
-        "| rollouts/s | " + " | ".join(f"{r['rollouts_per_s']:.0f}" for r in runs) + " |",
+        "| rollouts/s | " + " | ".join(f"{v:.0f}" for v in per_second) + " |",
         "",
         f"CPU milliseconds per rollout of each process over steps {args.warmup}..{args.steps}"
         f" ({args.prompts} prompts x {args.group} samples a step), with an engine that answers "
         "at once: what the services cost around generation (goal: 2 ms in all).",
+        "",
+        "| gateways | rollouts/s (median) | CPU ms per rollout (median) |",
+        "|---|---|---|",
+        *(
+            f"| {count} | "
+            f"{statistics.median(r['rollouts_per_s'] for r in runs if r['gateways'] == count):.0f} | "
+            f"{statistics.median(r['cpu_ms_per_rollout_total'] for r in runs if r['gateways'] == count):.2f} |"
+            for count in counts
+        ),
     ]
     write_results(
         "control_plane",
@@ -120,6 +181,7 @@ def main() -> None:
         "B8: the control plane's cost per rollout (instant engine, copy-task Task App)",
         table,
         runs=runs,
+        before=before,
     )
 
 

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from rlnode import testing
@@ -45,6 +46,13 @@ def node(tmp_path_factory) -> Iterator[tuple[LocalNode, Org, Path, Supervision]]
             yield running, org, model, supervision
         finally:
             supervision.stop()
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def served(node: LocalNode, org: Org, job_id: str) -> list[int]:
@@ -111,7 +119,11 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
     before = served(running, org, job_id)
     restarts_before = dict(running.restarts)
     killed = task_app_target(org, TASK_APP) if target == "taskapp" else target
+    task_app_pid = chaos.pid_of(running, task_app_target(org, TASK_APP), {org.org_id: org})
     chaos.kill(running, killed, {org.org_id: org})
+    if target == GATEWAY.name:
+        # Its Task App goes with it (the gateway started after it starts another).
+        wait_until(lambda: not alive(task_app_pid), 10, "the Task App gone", supervision)
 
     done = wait_until(
         lambda: (

@@ -48,6 +48,7 @@ class Node:
     policy_calls: object
     bad_url: str
     data_dir: Path
+    gateway_env: dict[str, str]
 
     def client(self, token: str | None = None) -> GatewayClient:
         return GatewayClient(self.gateway.url, token or self.token_a)
@@ -64,20 +65,18 @@ def node(tmp_path_factory):
         a.set_secret("ENVIRONMENT_API_KEY", key)
         b.set_secret("ENVIRONMENT_API_KEY", "org-b-key-" + secrets.token_hex(8))
     gateway_data = directory / "gateway-data"
+    gateway_env = {
+        "GATEWAY_VAULT_URL": vault.url,
+        "GATEWAY_SERVICE_TOKEN": vault.service_token(["secrets:unseal"]),
+        "DATABASE_URL": f"sqlite:///{directory / 'gateway.sqlite3'}",
+        "RLNODE_DATA_DIR": str(gateway_data),
+        "GATEWAY_HEALTH_INTERVAL_S": "0.5",
+        "GATEWAY_RESTART_BACKOFF_S": "0.2",
+        "GATEWAY_CONNECT_RETRIES": "2",
+        "GATEWAY_ALLOW_URLS_TO": '["loopback"]',  # the Task Apps here run on loopback
+    }
     gateway = ServiceProcess(
-        SERVICES_BY_NAME["taskapp-gateway"],
-        free_port(),
-        directory / "gateway.log",
-        env={
-            "GATEWAY_VAULT_URL": vault.url,
-            "GATEWAY_SERVICE_TOKEN": vault.service_token(["secrets:unseal"]),
-            "DATABASE_URL": f"sqlite:///{directory / 'gateway.sqlite3'}",
-            "RLNODE_DATA_DIR": str(gateway_data),
-            "GATEWAY_HEALTH_INTERVAL_S": "0.5",
-            "GATEWAY_RESTART_BACKOFF_S": "0.2",
-            "GATEWAY_CONNECT_RETRIES": "2",
-            "GATEWAY_ALLOW_URLS_TO": '["loopback"]',  # the Task Apps here run on loopback
-        },
+        SERVICES_BY_NAME["taskapp-gateway"], free_port(), directory / "gateway.log", gateway_env
     ).start()
     policy_app, calls = scripted_policy()
     with ThreadedServer(policy_app) as policy, ThreadedServer(misbehaving_taskapps(key)) as bad:
@@ -98,6 +97,7 @@ def node(tmp_path_factory):
             policy_calls=calls,
             bad_url=bad.url,
             data_dir=directory,
+            gateway_env=gateway_env,
         )
         assert gateway.stop() == 0, gateway.log_tail()
     vault.stop()
@@ -171,6 +171,70 @@ def test_managed_task_app_verifies_runs_and_survives_kill_9(node: Node) -> None:
         after = gateway.get("copy")["managed"]
     assert after["pid"] != before["pid"] and after["restarts"] >= 1 and after["state"] == "healthy"
     assert after["last_exit_code"] == -signal.SIGKILL
+
+
+def test_a_second_gateway_runs_rollouts_on_the_managed_task_apps_of_the_first(
+    node: Node,
+) -> None:
+    """Gateways scale out: one runs the managed Task Apps, the others run rollouts on them at
+    the address it records in the shared database (and follow it when it moves)."""
+    with node.client() as gateway:
+        gateway.register("shared-copy", command=[sys.executable, COPY_TASK])
+        assert gateway.verify("shared-copy")["ok"]
+        pid = gateway.get("shared-copy")["managed"]["pid"]
+    second = ServiceProcess(
+        SERVICES_BY_NAME["taskapp-gateway"],
+        free_port(),
+        node.data_dir / "gateway-2.log",
+        node.gateway_env | {"GATEWAY_RUNS_MANAGED": "false"},
+    ).start()
+    try:
+        second.wait_healthy()
+        with GatewayClient(second.url, node.generator_token) as router:
+            requests = [rollout_request(node, seed) for seed in range(4)]
+            outcomes = router.rollouts(node.org_a, "shared-copy", requests, job_id="job-1")
+            assert [o["status"] for o in outcomes] == ["ok"] * 4, outcomes
+            assert {o["result"]["reward"] for o in outcomes} == {1.0}
+        with GatewayClient(second.url, node.token_a) as router:
+            assert router.verify("shared-copy")["ok"]
+            assert router.get("shared-copy")["kind"] == "managed"
+            for call in (
+                lambda: router.register("mine", command=[sys.executable, COPY_TASK]),
+                lambda: router.remove("shared-copy"),
+                lambda: router.logs("shared-copy"),
+            ):
+                with pytest.raises(GatewayError) as refused:
+                    call()
+                assert refused.value.status == 409
+                assert "does not run managed Task Apps" in str(refused.value)
+            # External ones register anywhere: the registry is the database.
+            router.register("outside", url=f"{node.bad_url}/ok")
+        assert run(node, "outside")["status"] == "ok"
+        # The Task App dies; the first gateway starts it on another port, the second follows.
+        os.kill(pid, signal.SIGKILL)
+        with GatewayClient(second.url, node.generator_token) as router:
+
+            def answered() -> bool:
+                outcome = router.rollouts(node.org_a, "shared-copy", requests[:1])[0]
+                return outcome["status"] == "ok"
+
+            wait_until(answered, 30, "the second gateway reaching the restarted Task App")
+        with node.client() as gateway:
+            assert gateway.get("shared-copy")["managed"]["pid"] != pid
+            gateway.remove("shared-copy")
+            gateway.remove("outside")
+        with GatewayClient(second.url, node.generator_token) as router:
+
+            def unknown() -> bool:  # once its cached registration expires (2 s)
+                try:
+                    router.rollouts(node.org_a, "shared-copy", requests[:1])
+                except GatewayError as e:
+                    return e.status == 404
+                return False
+
+            wait_until(unknown, 10, "the removed Task App unknown to the second gateway")
+    finally:
+        assert second.stop() == 0, second.log_tail()
 
 
 def test_multi_turn_example_completes_an_episode(node: Node) -> None:

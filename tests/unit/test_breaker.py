@@ -267,12 +267,14 @@ async def test_the_job_fails_past_the_time_limit_with_the_reason(tiny_model, tmp
 
 async def test_a_task_app_that_answers_but_still_fails_is_given_up_on(tiny_model, tmp_path) -> None:
     probe = ScriptedProbe((True, "passes verification"))  # healthy, but its episodes crash
+    # Failing for longer than it can run in give_up_after_s: steps without a rollout that
+    # worked take no training, and a fast machine ran 60 of them within the 0.5 s.
     loop = FlakyTaskApp(
         tiny_model,
         tmp_path,
-        set(range(1, 60)),
+        set(range(1, 100_000)),
         probe,
-        steps=60,
+        steps=100_000,
         max_async=1,
         breaker={"consecutive_steps": 2, "give_up_after_s": 0.5},
     )

@@ -47,3 +47,14 @@ def test_database_urls_are_normalised_and_redacted() -> None:
     assert normalise_url("postgresql://u@h/d") == "postgresql+psycopg://u@h/d"
     assert normalise_url("sqlite:///x.db") == "sqlite:///x.db"
     assert "hunter2" not in redacted_url("postgresql://u:hunter2@h/d")
+
+
+def test_a_generator_spreads_over_the_gateways_it_is_given(monkeypatch) -> None:
+    from rlnode_services.rollout_generator.settings import GeneratorSettings
+
+    monkeypatch.setenv("GENERATOR_GATEWAY_URL", " http://127.0.0.1:8110/, http://127.0.0.1:8111")
+    assert GeneratorSettings().gateway_urls == ["http://127.0.0.1:8110", "http://127.0.0.1:8111"]
+    for bad, says in ((" , ", "name the taskapp-gateway"), ("127.0.0.1:8110", "not an http")):
+        monkeypatch.setenv("GENERATOR_GATEWAY_URL", bad)
+        with pytest.raises(ValidationError, match=says):
+            GeneratorSettings()

@@ -26,7 +26,7 @@ from rlnode.bus import ensure_topics
 from rlnode.bus.localbroker import LocalBroker
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import topics
-from rlnode.service.registry import PORT_BASE, SERVICES, port_offset
+from rlnode.service.registry import MAX_GATEWAYS, PORT_BASE, SERVICES, port_offset
 from rlnode.service.settings import NodeSettings
 
 
@@ -165,6 +165,13 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _gateways(value: str) -> int:
+    count = int(value)
+    if not 1 <= count <= MAX_GATEWAYS:
+        raise argparse.ArgumentTypeError(f"between 1 and {MAX_GATEWAYS} (a port each, from +10)")
+    return count
+
+
 def _count(value: str) -> int | str:
     return value if value == "auto" else int(value)
 
@@ -180,7 +187,7 @@ def _up(args: argparse.Namespace) -> int:
         tensor_parallel=args.tensor_parallel,
         reference=args.reference,
     )
-    return run_up(gpus, port_base=args.port_base, topology=topology)
+    return run_up(gpus, port_base=args.port_base, topology=topology, gateways=args.gateways)
 
 
 def _status(_args: argparse.Namespace) -> int:
@@ -222,6 +229,13 @@ def register(commands: argparse._SubParsersAction) -> None:
     offsets = ", ".join(f"{s.name} +{port_offset(s)}" for s in SERVICES)
     up.add_argument(
         "--port-base", type=int, default=PORT_BASE, help=f"{offsets} (default {PORT_BASE})"
+    )
+    up.add_argument(
+        "--gateways",
+        type=_gateways,
+        default=1,
+        help="taskapp-gateway processes (1-10, default 1): the first runs the managed Task "
+        "Apps, all run rollouts, and generators spread their work over them",
     )
     up.set_defaults(run=_up)
     commands.add_parser("status", help="the node's services: health, pid, restarts").set_defaults(

@@ -47,6 +47,9 @@ class NodeOptions:
     data_dir: Path
     kafka_bootstrap: str | None = None  # None: start the embedded broker
     generators: int = 1
+    # Gateways: the first runs the managed Task Apps; every one runs rollouts, and each
+    # generator spreads its work items over all of them.
+    gateways: int = 1  # at most MAX_GATEWAYS (rlnode.service.registry)
     # Extra environment per service name ("learner", "rollout-generator", ...).
     env: dict[str, dict[str, str]] = field(default_factory=dict)
     # Tansu delays a group's first join by half the session timeout; 6 s (Kafka's minimum)
@@ -120,11 +123,18 @@ class LocalNode:
         wanted = self.options.services
         vault = self._service(VAULT, {}, credentials.vault_env())
         vault_url = {"VAULT_URL": vault.url}
+        gateway_urls: list[str] = []
         if GATEWAY.name in wanted:
             # The embedded node's Task Apps run on this machine: loopback URLs are allowed.
-            loopback = {"ALLOW_URLS_TO": '["loopback"]'}
-            self._service(GATEWAY, vault_url | self._token_env(GATEWAY) | loopback)
-        gateway_url = {"GATEWAY_URL": self.url(GATEWAY.name) if GATEWAY.name in wanted else ""}
+            gateway = vault_url | self._token_env(GATEWAY) | {"ALLOW_URLS_TO": '["loopback"]'}
+            gateway_urls.append(self._service(GATEWAY, gateway).url)
+            for index in range(1, self.options.gateways):
+                extra = gateway | {"RUNS_MANAGED": "false"}
+                name = f"gw{index}"
+                gateway_urls.append(self._service(GATEWAY, extra, instance=name, index=index).url)
+        # Users, the learner and the CLI talk to the first; generators spread over all.
+        gateway_url = {"GATEWAY_URL": gateway_urls[0] if gateway_urls else ""}
+        generator_gateways = {"GATEWAY_URL": ",".join(gateway_urls)} if gateway_urls else {}
         generator_env, learner_env, serving_env = plan_env(self.options.plan)
         if self.options.plan is None or self.options.plan.cpu_only:
             generator_env = generator_env * self.options.generators
@@ -132,7 +142,7 @@ class LocalNode:
             token = self._token_env(GENERATOR)
             for index, env in enumerate(generator_env):
                 name = f"gen{index}"
-                own = vault_url | gateway_url | token | {"GENERATOR_ID": name}
+                own = vault_url | generator_gateways | token | {"GENERATOR_ID": name}
                 self._service(GENERATOR, own, env, instance=name, index=index)
         if LEARNER.name in wanted:
             learner = vault_url | gateway_url | self._token_env(LEARNER) | self._model_dirs()

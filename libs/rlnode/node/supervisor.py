@@ -47,6 +47,7 @@ def run_up(
     data_dir: Path | None = None,
     out: TextIO = sys.stdout,
     topology: TopologySpec | None = None,
+    gateways: int = 1,
 ) -> int:
     data_dir = data_dir or NodeSettings().data_dir
     state = state_path(data_dir)
@@ -65,6 +66,7 @@ def run_up(
             port_base=port_base,
             plan=plan,
             session_timeout_ms=KafkaSettings().session_timeout_ms,
+            gateways=gateways,
         )
     )
     stopping = False

@@ -79,6 +79,7 @@ CHECKPOINT_SERVER = ServiceSpec(
 SERVICES: tuple[ServiceSpec, ...] = (VAULT, GATEWAY, GENERATOR, LEARNER, CHECKPOINT_SERVER)
 SERVICES_BY_NAME = {s.name: s for s in SERVICES}
 PORT_BASE = VAULT.port
+MAX_GATEWAYS = 10  # a node's gateways take the ports from the gateway's to the generators'
 
 
 def port_offset(spec: ServiceSpec) -> int:

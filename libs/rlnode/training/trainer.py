@@ -453,13 +453,29 @@ class Trainer:
         try:
             ids = torch.tensor([token_ids], device=self.device)
             positions = torch.arange(len(token_ids) - 1, device=self.device)
-            with self._autocast():
+            with self._autocast(), self._one_cpu_thread():
                 out = self.policy(
                     ids, torch.ones_like(ids), torch.zeros_like(positions), positions, 1.0
                 )
             return out.float().tolist()
         finally:
             self.policy.train()
+
+    @contextlib.contextmanager
+    def _one_cpu_thread(self) -> Iterator[None]:
+        """A probe of a few dozen tokens on the CPU gains nothing from intra-op threads, and
+        on a busy machine their spin-waits cost more than the forward: 30 against 2.3 CPU ms
+        for the tiny model's 32-token probe with both cores busy (on the control-plane
+        benchmark it was half of the learner's CPU)."""
+        if not self.device.startswith("cpu"):
+            yield
+            return
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(threads)
 
     def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[TensorSpec]:
         """The model's tensors in Hugging Face names, each gathered from the ranks (and cast

@@ -6,6 +6,7 @@ record with its rewards into a `Trajectory`."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import secrets
 import time
@@ -170,14 +171,20 @@ class RolloutRunner:
         self.weights = weights
         self.slots = RolloutSlots(settings.concurrency)
         token = settings.service_token.get_secret_value() if settings.service_token else None
-        self._http = PooledHttp(
-            settings.gateway_url,
-            max_connections=settings.concurrency,
-            headers={"Authorization": f"Bearer {token}"} if token else {},
-        )
+        # Work items go to the node's gateways in turn.
+        self._gateways = [
+            PooledHttp(
+                url,
+                max_connections=settings.concurrency,
+                headers={"Authorization": f"Bearer {token}"} if token else {},
+            )
+            for url in settings.gateway_urls
+        ]
+        self._next_gateway = itertools.cycle(range(len(self._gateways)))
 
     async def aclose(self) -> None:
-        await self._http.aclose()
+        for gateway in self._gateways:
+            await gateway.aclose()
 
     async def run(self, work: RolloutWork) -> list[Trajectory]:
         """A trajectory per sample, always: ok, or failed with the reason. Only cancellation
@@ -238,8 +245,12 @@ class RolloutRunner:
         }
         timeout = work.task_app.rollout_timeout_s + self.settings.rollout_timeout_margin_s
         failure = None
+        index = next(self._next_gateway)
+        gateway_url = self.settings.gateway_urls[index]
         try:
-            response = await self._http.post("/v1/rollout-groups", json=body, timeout_s=timeout)
+            response = await self._gateways[index].post(
+                "/v1/rollout-groups", json=body, timeout_s=timeout
+            )
         except TimedOut:
             failure = RolloutFailure(
                 kind="timeout", message=f"the gateway did not answer within {timeout:g}s"
@@ -247,14 +258,15 @@ class RolloutRunner:
         except HttpCallError as e:
             failure = RolloutFailure(
                 kind="internal",
-                message=f"cannot reach the gateway at {self.settings.gateway_url}: {e}",
+                message=f"cannot reach the gateway at {gateway_url}: {e}",
             )
         else:
             if response.status != 200:
                 kind = "task_app_unreachable" if response.status == 404 else "internal"
                 failure = RolloutFailure(
                     kind=kind,
-                    message=f"the gateway answered {response.status}: {_detail(response)}",
+                    message=f"the gateway at {gateway_url} answered {response.status}: "
+                    f"{_detail(response)}",
                 )
         if failure is not None:
             for rollout in rollouts:

@@ -6,7 +6,7 @@ import os
 import socket
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.messages.topics import ROLLOUT_GENERATOR_GROUP
@@ -79,13 +79,32 @@ class GeneratorSettings(VaultClientSettings):
     work_group: str = Field(
         ROLLOUT_GENERATOR_GROUP, description="The consumer group the generators share work in."
     )
-    gateway_url: str = Field(GATEWAY.default_url, description="The taskapp-gateway.")
+    gateway_url: str = Field(
+        GATEWAY.default_url,
+        description="The taskapp-gateway; several, comma-separated, to spread work items over "
+        "(a node's gateways: one runs the managed Task Apps, all run rollouts).",
+    )
     rollout_timeout_margin_s: float = Field(
         30.0, ge=0, description="Added to a rollout's timeout for the call to the gateway."
     )
     drain_timeout_s: float = Field(
         60.0, ge=0, description="On SIGTERM, how long in-flight rollouts may finish."
     )
+
+    @field_validator("gateway_url")
+    @classmethod
+    def _gateway_urls(cls, value: str) -> str:
+        urls = [u.strip().rstrip("/") for u in value.split(",") if u.strip()]
+        if not urls:
+            raise ValueError("name the taskapp-gateway, e.g. http://127.0.0.1:8110")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"{url!r} is not an http(s) URL of a taskapp-gateway")
+        return ",".join(urls)
+
+    @property
+    def gateway_urls(self) -> list[str]:
+        return self.gateway_url.split(",")
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")

@@ -59,6 +59,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
+        await gateway.start()
         yield
         await gateway.aclose()  # stops every managed Task App
 
@@ -138,6 +139,8 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         who_may(who, org_id, Scope.TASKAPPS_READ)
         record = gateway.get(org_id, name)
         managed = gateway.managed_status(record)
+        if record.kind == "managed" and managed is None:
+            gateway.check_runs_managed(name)
         if managed is None:
             raise GatewayError(f"{name!r} is external: its logs are wherever it runs", 404)
         return managed.log_tail(max_bytes)

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import secrets
+import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from sqlalchemy.engine import Engine
 from sqlalchemy.exc import IntegrityError
-from sqlmodel import Session, select
+from sqlmodel import Session, col, delete, select
 
+from rlnode.messages import utc_now
 from rlnode.service.db import create_tables, session_scope
 from rlnode.taskapp.contract import RolloutRequest
 from rlnode_services.taskapp_gateway.client import TaskAppClient, TaskAppFailure
@@ -35,7 +38,12 @@ from rlnode_services.taskapp_gateway.schemas import (
     VerifyReport,
 )
 from rlnode_services.taskapp_gateway.settings import GatewaySettings
-from rlnode_services.taskapp_gateway.store import TABLES, SandboxRecord, TaskAppRecord
+from rlnode_services.taskapp_gateway.store import (
+    TABLES,
+    ManagedEndpointRecord,
+    SandboxRecord,
+    TaskAppRecord,
+)
 
 
 class GatewayError(Exception):
@@ -61,7 +69,25 @@ class Gateway:
         # Every rollout names its Task App; reading the registration from the database each
         # time was a third of the event loop during a job (py-spy). (read at, record)
         self._records: dict[tuple[str, str], tuple[float, TaskAppRecord]] = {}
+        # A gateway that does not run managed Task Apps reads where they answer, as cached.
+        self.name = f"{socket.gethostname()}-{os.getpid()}"
+        self._endpoints: dict[tuple[str, str], tuple[float, str]] = {}
         create_tables(engine, *TABLES)
+
+    async def start(self) -> None:
+        """The gateway that runs managed Task Apps starts every registered one (the node's
+        other gateways cannot start them when a rollout asks) and forgets where an earlier
+        run of it had them."""
+        if not self.settings.runs_managed:
+            return
+        records = await asyncio.to_thread(self._managed_records)
+        for record in records:
+            self._managed(record).start()
+
+    def _managed_records(self) -> list[TaskAppRecord]:
+        with session_scope(self.engine) as s:
+            s.exec(delete(ManagedEndpointRecord))
+            return list(s.exec(select(TaskAppRecord).where(TaskAppRecord.kind == "managed")))
 
     def failures(self) -> dict[str, str]:
         return {
@@ -78,7 +104,18 @@ class Gateway:
 
     # -- registry ----------------------------------------------------------------------
 
+    def check_runs_managed(self, name: str) -> None:
+        if not self.settings.runs_managed:
+            raise GatewayError(
+                f"{name!r} is managed, and this gateway does not run managed Task Apps "
+                "(GATEWAY_RUNS_MANAGED=false): register and remove it on the node's gateway "
+                "that does (rlnode status names it)",
+                409,
+            )
+
     async def register(self, org_id: str, body: RegisterTaskApp) -> TaskAppRecord:
+        if body.url is None:
+            self.check_runs_managed(body.name)
         if body.url is not None:
             try:
                 await check_url(body.url, self._allowed_addresses)
@@ -148,6 +185,8 @@ class Gateway:
 
     async def unregister(self, org_id: str, name: str) -> None:
         record = self.get(org_id, name)
+        if record.kind == "managed":
+            self.check_runs_managed(name)
         managed = self.managed.pop((org_id, name), None)
         if managed is not None:
             await managed.stop()
@@ -156,6 +195,12 @@ class Gateway:
             sandbox = self._sandbox_record(s, org_id, name)
             if sandbox is not None:
                 s.delete(sandbox)
+            s.exec(
+                delete(ManagedEndpointRecord).where(
+                    col(ManagedEndpointRecord.org_id) == org_id,
+                    col(ManagedEndpointRecord.name) == name,
+                )
+            )
         self._records.pop((org_id, name), None)  # after the delete, so no rollout re-caches it
         if sandbox is not None:
             await asyncio.to_thread(remove_home, self.settings.sandbox_dir / str(sandbox.uid))
@@ -237,14 +282,62 @@ class Gateway:
             )
             log_path = self.log_dir / record.org_id / f"{record.name}.log"
             self.managed[key] = ManagedTaskApp(
-                spec, self.keys, self.client, self.settings, log_path
+                spec,
+                self.keys,
+                self.client,
+                self.settings,
+                log_path,
+                announce=lambda url: asyncio.to_thread(
+                    self._record_endpoint, record.org_id, record.name, url
+                ),
             )
         return self.managed[key]
+
+    def _record_endpoint(self, org_id: str, name: str, url: str | None) -> None:
+        with session_scope(self.engine) as s:
+            stored = s.exec(
+                select(ManagedEndpointRecord).where(
+                    ManagedEndpointRecord.org_id == org_id, ManagedEndpointRecord.name == name
+                )
+            ).first()
+            if url is None:
+                if stored is not None:
+                    s.delete(stored)
+                return
+            stored = stored or ManagedEndpointRecord(org_id=org_id, name=name, url=url, owner="")
+            stored.url, stored.owner, stored.updated_at = url, self.name, utc_now()
+            s.add(stored)
+
+    def _endpoint(self, record: TaskAppRecord) -> str:
+        """Where the gateway that runs it says a managed Task App answers (cached briefly)."""
+        key = (record.org_id, record.name)
+        cached = self._endpoints.get(key)
+        if cached is not None and time.monotonic() - cached[0] < self.settings.registry_cache_s:
+            return cached[1]
+        with Session(self.engine) as s:
+            stored = s.exec(
+                select(ManagedEndpointRecord).where(
+                    ManagedEndpointRecord.org_id == record.org_id,
+                    ManagedEndpointRecord.name == record.name,
+                )
+            ).first()
+        if stored is None:
+            self._endpoints.pop(key, None)
+            raise TaskAppFailure(
+                "task_app_unreachable",
+                f"managed Task App {record.name!r} is not healthy on the gateway that runs it "
+                "(it is starting or restarting; its status and logs are there)",
+            )
+        self._endpoints[key] = (time.monotonic(), stored.url)
+        return stored.url
 
     async def _target(self, record: TaskAppRecord, job_id: str | None = None) -> tuple[str, str]:
         """Where to call the Task App, and with which key."""
         if record.kind == "managed":
-            return await self._managed(record).ready(self.settings.start_timeout_s)
+            if self.settings.runs_managed:
+                return await self._managed(record).ready(self.settings.start_timeout_s)
+            url = self._endpoint(record)
+            return url, await self.keys.get(record.org_id, record.secret, job_id=job_id)
         assert record.url is not None
         try:
             await check_url(record.url, self._allowed_addresses)
@@ -356,9 +449,10 @@ class Gateway:
             return self._failed(request, "task_app_auth_refused", e.message, None, started)
         except TaskAppFailure as e:
             if e.kind == "task_app_auth_refused" and record.kind == "external":
-                self.keys.forget(
-                    record.org_id, record.secret
-                )  # the key may have changed in the vault
+                # The key may have changed in the vault.
+                self.keys.forget(record.org_id, record.secret)
+            if e.kind == "task_app_unreachable":  # it may have moved: read where, next time
+                self._endpoints.pop((record.org_id, record.name), None)
             return self._failed(request, e.kind, e.message, e.status_code, started)
         return RolloutOutcome(
             status="ok",

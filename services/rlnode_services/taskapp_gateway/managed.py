@@ -3,7 +3,8 @@ a free port with the org's key injected as ENVIRONMENT_API_KEY, checks its healt
 restarts it with backoff when it dies or stops answering, captures its output (with the key
 blanked out), and stops it.
 
-One asyncio task supervises each process; callers wait on `ready()`.
+One asyncio task supervises each process; callers wait on `ready()`. Where it answers while
+healthy goes to `announce` (the gateway records it for the node's other gateways).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -79,8 +81,11 @@ class ManagedTaskApp:
         client: TaskAppClient,
         settings: GatewaySettings,
         log_path: Path,
+        announce: Callable[[str | None], Awaitable[None]] | None = None,
     ) -> None:
+        """`announce(url)` once it is healthy, `announce(None)` once it is not."""
         self.spec = spec
+        self.announce = announce
         self.keys = keys
         self.client = client
         self.settings = settings
@@ -228,12 +233,25 @@ class ManagedTaskApp:
                 self.status.healthy_since = time.time()
                 self._was_healthy = True
                 self._healthy.set()
+                await self._announce(self.url)
                 await self._watch(self._proc)
         finally:
             self._healthy.clear()
-            await self._terminate()
+            await self._terminate()  # first: nothing may keep it running
+            if self._was_healthy:
+                await self._announce(None)
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(pump, 5)
+
+    async def _announce(self, url: str | None) -> None:
+        if self.announce is None:
+            return
+        try:
+            await self.announce(url)
+        except Exception as e:  # the other gateways then fail to reach it; this one still can
+            log.warning(
+                "could not record where %s/%s answers: %s", self.spec.org_id, self.spec.name, e
+            )
 
     def _check_readable(self, argv: list[str]) -> None:
         """A Task App running as a user of its own must be able to read its code: say so

@@ -8,7 +8,9 @@
 - a private home directory (0700, its own) as HOME, TMPDIR and, unless the registration
   names one, its working directory;
 - resource limits (address space, processes, open files; no core dumps) from its
-  registration, within the node's caps.
+  registration, within the node's caps;
+- SIGKILL when the gateway that started it dies (a gateway killed with SIGKILL cannot stop
+  it, and the one started after would start another).
 
 The node's data directory is 0700 and the services' own, so a Task App running as another
 user reads none of it, and cannot read other processes' environments.
@@ -21,12 +23,14 @@ import hashlib
 import os
 import resource
 import shutil
+import signal
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 UID_SPAN = 1 << 20  # Task App uids: base .. base + span
 
@@ -65,9 +69,10 @@ class Sandbox:
     def process_options(self) -> dict[str, Any]:
         """Keyword arguments for the subprocess call that starts the Task App. The user is
         taken in `preexec_fn` too: uvloop's subprocesses take no `user=`."""
-        return {"preexec_fn": self._enter}
+        parent = os.getpid()
+        return {"preexec_fn": lambda: self._enter(parent)}
 
-    def _enter(self) -> None:
+    def _enter(self, parent: int) -> None:
         # Runs in the child before it runs the command: limits (as root, hard ones too), then
         # the user, then no way back to privileges.
         memory = self.memory_mb << 20
@@ -79,6 +84,12 @@ class Sandbox:
             os.setgroups([])
             os.setgid(self.uid)
             os.setuid(self.uid)
+        # After the user changed (a change of user clears it), and checked against a parent
+        # that died before it was set.
+        if _LIBC.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG) failed")
+        if os.getppid() != parent:
+            os._exit(1)
         if _LIBC.prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) != 0:
             raise OSError(ctypes.get_errno(), "prctl(PR_SET_NO_NEW_PRIVS) failed")
 

@@ -21,6 +21,12 @@ class GatewaySettings(VaultClientSettings):
     port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
 
     # Managed Task Apps
+    runs_managed: bool = Field(
+        True,
+        description="This gateway starts and supervises the managed Task Apps and registers "
+        "them (one per node does); the node's other gateways (false) run rollouts on them at "
+        "the address it records in the database.",
+    )
     start_timeout_s: float = Field(30.0, gt=0, description="From spawn to a healthy /health.")
     health_interval_s: float = Field(
         5.0, gt=0, description="How often a managed Task App is health-checked."

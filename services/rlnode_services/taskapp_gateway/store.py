@@ -49,4 +49,21 @@ class SandboxRecord(SQLModel, table=True):
     limits: str = Field(default="{}", max_length=1024, description="Limits as JSON")
 
 
-TABLES = (TaskAppRecord, SandboxRecord)
+class ManagedEndpointRecord(SQLModel, table=True):
+    """Where a managed Task App answers while it is healthy, written by the gateway that runs
+    it (`GATEWAY_RUNS_MANAGED`) for the node's other gateways, which run rollouts on it."""
+
+    __tablename__ = "gateway_managed_endpoints"
+    __table_args__ = (UniqueConstraint("org_id", "name"),)
+
+    id: int | None = Field(default=None, primary_key=True)
+    org_id: str = Field(max_length=128, index=True)
+    name: str = Field(max_length=128)
+    url: str = Field(max_length=2048)
+    owner: str = Field(max_length=256, description="The gateway that runs it (host-pid)")
+    updated_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UTCDateTime(), nullable=False)
+    )
+
+
+TABLES = (TaskAppRecord, SandboxRecord, ManagedEndpointRecord)
