@@ -56,6 +56,19 @@ class KafkaSettings(BaseSettings):
         description="Longest a fetch waits for data (Kafka answers early anyway; the "
         "embedded broker waits it out, so it is the latency of every hop).",
     )
+    # The rollout path (work to generators, weights to generators, trajectories to the
+    # learner) is on every step's critical path: with the control plane at ~2 CPU ms per
+    # rollout, the hops' latency bounded the services (bench/overhead.py, 2 cores, tiny
+    # model: 252 samples/s at 500 ms, 431 at 50, 415 at 20). Only those three consumers
+    # poll this often; the rest keep fetch_max_wait_ms (an idle embedded node: 2.9% of a
+    # core with 500 here, 6.4% with 50).
+    rollout_fetch_max_wait_ms: int = Field(
+        50,
+        ge=1,
+        le=10_000,
+        description="fetch_max_wait_ms of the rollout path's consumers (work, weight "
+        "versions, trajectories).",
+    )
     heartbeat_interval_ms: int = Field(
         3_000, ge=100, description="Group heartbeats; at most a third of the session timeout."
     )

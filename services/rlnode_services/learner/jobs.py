@@ -85,6 +85,7 @@ class JobManager:
             commit="when_settled",
             tag=lambda t: (t.job_id, t.step),
             settled=self._settled,
+            fetch_max_wait_ms=self.bus.settings.rollout_fetch_max_wait_ms,
         )
         await self.trajectories.start()
 

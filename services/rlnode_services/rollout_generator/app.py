@@ -70,8 +70,14 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         concurrency=settings.concurrency,
         # A long rollout between two fetches must not cost the group membership.
         max_poll_interval_ms=int((settings.drain_timeout_s + 3600) * 1000),
+        fetch_max_wait_ms=settings.kafka.rollout_fetch_max_wait_ms,
     )
-    bus.subscribe(topics.WEIGHT_VERSIONS, weights.on_weight_version, group_id=None)
+    bus.subscribe(
+        topics.WEIGHT_VERSIONS,
+        weights.on_weight_version,
+        group_id=None,
+        fetch_max_wait_ms=settings.kafka.rollout_fetch_max_wait_ms,
+    )
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
