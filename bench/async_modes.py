@@ -18,7 +18,13 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import copy_task_node, job_config, training_arguments, write_results
+from bench_common import (
+    GENERATOR_ENV,
+    copy_task_node,
+    job_config,
+    training_arguments,
+    write_results,
+)
 
 from rlnode.messages import JobConfig, JobEventType
 from rlnode.models.build import init_tiny_model
@@ -73,7 +79,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "tiny", seed=0)
-        with copy_task_node(Path(tmp) / "node", {"GENERATOR_CONCURRENCY": "256"}) as (node, org):
+        with copy_task_node(Path(tmp) / "node", GENERATOR_ENV) as (node, org):
             results = asyncio.run(bench(node, org, model, args))
     sync = statistics.median(r["samples_per_s"] for r in results[0])
     rows = []

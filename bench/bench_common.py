@@ -78,6 +78,12 @@ def write_results(name: str, args, title: str, table: list[str], **result: Any) 
     return path
 
 
+# The generator of the training benchmarks: rollouts in flight and batched together up to a
+# whole step's (the in-process loop's engine batches 256; at the default 32 a 128-sample step
+# was generated in four passes where TRL and the in-process loop take one).
+GENERATOR_ENV = {"GENERATOR_CONCURRENCY": "256", "GENERATOR_MAX_BATCH_SIZE": "256"}
+
+
 @contextmanager
 def copy_task_node(
     directory: Path, generator_env: dict[str, str], gateways: int = 1

@@ -16,7 +16,13 @@ import tempfile
 from pathlib import Path
 
 from async_modes import run_job
-from bench_common import copy_task_node, job_config, training_arguments, write_results
+from bench_common import (
+    GENERATOR_ENV,
+    copy_task_node,
+    job_config,
+    training_arguments,
+    write_results,
+)
 from inprocess import loop_config, run_loop
 
 from rlnode.models.build import init_tiny_model
@@ -43,8 +49,7 @@ def main() -> None:
     runs: dict[str, list[float]] = {"services": [], "in-process": []}
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "tiny", seed=0)
-        generator = {"GENERATOR_CONCURRENCY": "256", "GENERATOR_MAX_BATCH_SIZE": "256"}
-        with copy_task_node(Path(tmp) / "node", generator) as (node, org):
+        with copy_task_node(Path(tmp) / "node", GENERATOR_ENV) as (node, org):
 
             async def services_round() -> float:
                 async with node.jobs(org) as jobs:
