@@ -161,6 +161,12 @@ def main() -> None:
         + " | ".join(f"**{sum(rows.values()):.2f}**" for _, rows in columns)
         + " |",
         "| rollouts/s | " + " | ".join(f"{v:.0f}" for v in per_second) + " |",
+        "| cores busy (CPU ms x rollouts/s) | "
+        + " | ".join(
+            f"{sum(rows.values()) * v / 1000:.2f}"
+            for (_, rows), v in zip(columns, per_second, strict=True)
+        )
+        + " |",
         "",
         f"CPU milliseconds per rollout of each process over steps {args.warmup}..{args.steps}"
         f" ({args.prompts} prompts x {args.group} samples a step), with an engine that answers "

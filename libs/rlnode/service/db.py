@@ -3,6 +3,7 @@ SQLite under the data directory by default, PostgreSQL in production."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from datetime import UTC, datetime
@@ -11,6 +12,7 @@ from typing import Any
 
 from sqlalchemy import event
 from sqlalchemy.engine import Engine, make_url
+from sqlalchemy.exc import DBAPIError
 from sqlalchemy.types import DateTime, TypeDecorator
 from sqlmodel import Session, SQLModel, create_engine
 
@@ -85,9 +87,19 @@ def engine_for(
 
 
 def create_tables(engine: Engine, *tables: Any) -> None:
-    """Create the given SQLModel tables (all registered ones when none are named)."""
+    """Create the given SQLModel tables (all registered ones when none are named). Processes
+    that share a database (a node's gateways) may start together: the one that loses the
+    race to create a table finds it there when it looks again."""
     metadata = SQLModel.metadata
-    metadata.create_all(engine, tables=[t.__table__ for t in tables] or None)
+    chosen = [t.__table__ for t in tables] or None
+    for attempt in range(3):
+        try:
+            metadata.create_all(engine, tables=chosen)
+            return
+        except DBAPIError:
+            if attempt == 2:
+                raise
+            time.sleep(0.2 * (attempt + 1))
 
 
 @contextmanager
