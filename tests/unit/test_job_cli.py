@@ -144,3 +144,13 @@ def test_watch_shows_a_pause_and_a_resume(monkeypatch) -> None:
     lines = out.getvalue().splitlines()
     assert any("job.paused" in line and "paused after 3" in line for line in lines)
     assert any("job.resumed" in line and line.endswith("resumed") for line in lines)
+
+
+@pytest.mark.parametrize("count", ["0", "11", "two"])
+def test_rlnode_up_refuses_a_gateway_count_it_cannot_give_ports(count, capsys) -> None:
+    from rlnode.cli import main as cli
+
+    with pytest.raises(SystemExit) as exited:
+        cli(["up", "--gpus", "0", "--gateways", count])
+    assert exited.value.code == 2
+    assert "--gateways" in capsys.readouterr().err

@@ -293,13 +293,17 @@ class Gateway:
             )
         return self.managed[key]
 
+    @staticmethod
+    def _endpoint_record(s: Session, org_id: str, name: str) -> ManagedEndpointRecord | None:
+        return s.exec(
+            select(ManagedEndpointRecord).where(
+                ManagedEndpointRecord.org_id == org_id, ManagedEndpointRecord.name == name
+            )
+        ).first()
+
     def _record_endpoint(self, org_id: str, name: str, url: str | None) -> None:
         with session_scope(self.engine) as s:
-            stored = s.exec(
-                select(ManagedEndpointRecord).where(
-                    ManagedEndpointRecord.org_id == org_id, ManagedEndpointRecord.name == name
-                )
-            ).first()
+            stored = self._endpoint_record(s, org_id, name)
             if url is None:
                 if stored is not None:
                     s.delete(stored)
@@ -315,12 +319,7 @@ class Gateway:
         if cached is not None and time.monotonic() - cached[0] < self.settings.registry_cache_s:
             return cached[1]
         with Session(self.engine) as s:
-            stored = s.exec(
-                select(ManagedEndpointRecord).where(
-                    ManagedEndpointRecord.org_id == record.org_id,
-                    ManagedEndpointRecord.name == record.name,
-                )
-            ).first()
+            stored = self._endpoint_record(s, record.org_id, record.name)
         if stored is None:
             self._endpoints.pop(key, None)
             raise TaskAppFailure(
