@@ -214,7 +214,11 @@ class RolloutRunner:
                 async with self.slots.take(len(chunk)):
                     for rollout in chunk:
                         self.registry.add(rollout)
-                    await self._run_on_gateway(chunk)
+                    try:
+                        await self._run_on_gateway(chunk)
+                    finally:  # their inference URLs end with them
+                        for rollout in chunk:
+                            self.registry.remove(rollout.rollout_id)
             await self._add_reference_scores(rollouts)
             return [self._trajectory(r, started) for r in rollouts]
         except asyncio.CancelledError:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import secrets
 import socket
@@ -13,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sqlalchemy.engine import Engine
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 from sqlmodel import Session, col, delete, select
 
 from rlnode.messages import utc_now
@@ -44,6 +45,8 @@ from rlnode_services.taskapp_gateway.store import (
     SandboxRecord,
     TaskAppRecord,
 )
+
+log = logging.getLogger("taskapp_gateway.gateway")
 
 
 class GatewayError(Exception):
@@ -80,7 +83,11 @@ class Gateway:
         run of it had them."""
         if not self.settings.runs_managed:
             return
-        records = await asyncio.to_thread(self._managed_records)
+        try:
+            records = await asyncio.to_thread(self._managed_records)
+        except SQLAlchemyError as e:  # the database is away: they start on first use then
+            log.warning("could not read the managed Task Apps at start (%s)", e)
+            return
         for record in records:
             self._managed(record).start()
 
