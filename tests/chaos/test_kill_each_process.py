@@ -1,6 +1,7 @@
 """Kill any part of a running node and lose nothing. On the embedded node (`rlnode up`'s:
 its own broker, every service a process, supervision restarting what dies), a job is
-running when one process is SIGKILLed mid-step: the broker, the vault, the gateway, the
+running when one process is SIGKILLed mid-step: the broker, the vault, either gateway (the
+one that runs the managed Task App, or the second, which only runs rollouts), the
 generator, the learner, the checkpoint-server or the managed Task App. The job completes;
 the chain of its checkpoints trained each work item exactly once; every step of the run
 that finished it shows once in `train.step`; checkpoints served before the kill still are."""
@@ -35,6 +36,7 @@ def node(tmp_path_factory) -> Iterator[tuple[LocalNode, Org, Path, Supervision]]
     options = NodeOptions(
         data_dir=directory / "node",
         env={"rollout-generator": {"GENERATOR_CONCURRENCY": "16"}},
+        gateways=2,  # the generator spreads its work over both; either may be killed
     )
     with LocalNode(options) as running:
         org = running.create_org(unique_id("org"), {"ENVIRONMENT_API_KEY": unique_id("tk")})
@@ -84,6 +86,7 @@ async def job_events(node: LocalNode, org: Org, job_id: str) -> list[JobEvent]:
         "rollout-generator/gen0",
         VAULT.name,
         GATEWAY.name,
+        f"{GATEWAY.name}/gw1",
         LEARNER.name,
         BROKER,
     ],
