@@ -21,8 +21,8 @@ from rlnode.messages.config import ModelSpec, SamplingSpec, TaskAppSpec
 # the Task App's mode "eval" and never trained on.
 RolloutMode = Literal["train", "eval"]
 
-# Namespace of the samples' ids (`RolloutWork.sample_id`); the learner's before work items
-# held several samples, so the ids of a job's samples did not change with them.
+# Namespace of the samples' ids (`RolloutWork.sample_id`): the learner's work ids from when
+# a work item held one sample, so a job's sample ids stayed what they were.
 SAMPLE_NAMESPACE = UUID("5f0c1c2e-7d0b-4a3e-9a55-2b8f3c1e9d10")
 MAX_SAMPLES_PER_WORK = 1024
 

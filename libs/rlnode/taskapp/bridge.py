@@ -52,9 +52,9 @@ def trajectory(
     outcome: NormalisedRollout | None = None,
     failure: RolloutFailure | None = None,
 ) -> Trajectory:
-    """The trajectory of sample `sample_index` of `work`: ok with the outcome's rewards, or failed with why. An
-    outcome without any recorded turn is a failure: the Task App never asked the policy.
-    `started` is the rollout's `time.monotonic()` start."""
+    """The trajectory of sample `sample_index` of `work`: ok with the outcome's rewards, or
+    failed with why. An outcome without any recorded turn is a failure: the Task App never
+    asked the policy. `started` is the rollout's `time.monotonic()` start."""
     fields: dict[str, Any]
     if failure is None and outcome is not None and not turns:
         failure = RolloutFailure(

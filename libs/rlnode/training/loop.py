@@ -62,7 +62,6 @@ from rlnode.training.trainer import WEIGHT_DTYPES, TrainerConfig
 from rlnode.training.transport import JobTransport
 
 log = logging.getLogger("rlnode.training.loop")
-WORK_NAMESPACE = uuid.UUID("5f0c1c2e-7d0b-4a3e-9a55-2b8f3c1e9d10")
 T = TypeVar("T")
 
 

@@ -21,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -39,6 +40,9 @@ from rlnode.training.grpo import Sample, clipped_objective
 from rlnode.training.storage import temporary_sibling
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+_CPU_THREADS_SET = threading.Lock()  # held while a probe changes torch's CPU threads
 
 
 @dataclass(frozen=True)
@@ -470,12 +474,15 @@ class Trainer:
         if not self.device.startswith("cpu"):
             yield
             return
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(threads)
+        # The thread count is the process's: two probes at once (two jobs in one learner)
+        # must not interleave their save and restore, or one restores the other's 1 for good.
+        with _CPU_THREADS_SET:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            try:
+                yield
+            finally:
+                torch.set_num_threads(threads)
 
     def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[TensorSpec]:
         """The model's tensors in Hugging Face names, each gathered from the ranks (and cast

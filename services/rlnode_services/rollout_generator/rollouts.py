@@ -171,7 +171,6 @@ class RolloutRunner:
         self.weights = weights
         self.slots = RolloutSlots(settings.concurrency)
         token = settings.service_token.get_secret_value() if settings.service_token else None
-        # Work items go to the node's gateways in turn.
         self._gateways = [
             PooledHttp(
                 url,
@@ -180,7 +179,7 @@ class RolloutRunner:
             )
             for url in settings.gateway_urls
         ]
-        self._next_gateway = itertools.cycle(range(len(self._gateways)))
+        self._next_gateway = itertools.cycle(self._gateways)  # work items take them in turn
 
     async def aclose(self) -> None:
         for gateway in self._gateways:
@@ -249,12 +248,9 @@ class RolloutRunner:
         }
         timeout = work.task_app.rollout_timeout_s + self.settings.rollout_timeout_margin_s
         failure = None
-        index = next(self._next_gateway)
-        gateway_url = self.settings.gateway_urls[index]
+        gateway = next(self._next_gateway)
         try:
-            response = await self._gateways[index].post(
-                "/v1/rollout-groups", json=body, timeout_s=timeout
-            )
+            response = await gateway.post("/v1/rollout-groups", json=body, timeout_s=timeout)
         except TimedOut:
             failure = RolloutFailure(
                 kind="timeout", message=f"the gateway did not answer within {timeout:g}s"
@@ -262,14 +258,14 @@ class RolloutRunner:
         except HttpCallError as e:
             failure = RolloutFailure(
                 kind="internal",
-                message=f"cannot reach the gateway at {gateway_url}: {e}",
+                message=f"cannot reach the gateway at {gateway.base_url}: {e}",
             )
         else:
             if response.status != 200:
                 kind = "task_app_unreachable" if response.status == 404 else "internal"
                 failure = RolloutFailure(
                     kind=kind,
-                    message=f"the gateway at {gateway_url} answered {response.status}: "
+                    message=f"the gateway at {gateway.base_url} answered {response.status}: "
                     f"{_detail(response)}",
                 )
         if failure is not None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from functools import partial
 
 from rlnode.bus import Bus, Delivery, RecordTooLarge
 from rlnode.messages import JobEvent, JobEventType, RolloutFailure, RolloutWork, Trajectory
@@ -41,41 +42,30 @@ class WorkHandler:
         await self._publish_all(await self.run_rollouts(work))
 
     async def _publish_all(self, trajectories: list[Trajectory]) -> None:
-        """The item's trajectories together (one batch to the broker), retrying while the
-        broker is away; one at a time if one is too large, so that one is replaced alone.
-        Publishing some twice is harmless: the learner keeps one per sample id."""
-        delay = 0.5
-        while True:
-            try:
-                await self.bus.publish_all(trajectories)
-                self.published += len(trajectories)
-                return
-            except RecordTooLarge:
-                for trajectory in trajectories:
-                    await self._publish(trajectory)
-                return
-            except Exception as e:
-                log.warning(
-                    "could not publish %d trajectories of group %s (%s); retrying in %.1fs",
-                    len(trajectories),
-                    trajectories[0].group_id if trajectories else "-",
-                    e,
-                    delay,
-                )
-                await asyncio.sleep(delay)
-                delay = min(delay * 2, 10.0)
+        """The item's trajectories together (one batch to the broker); one at a time if one
+        is too large, so that one is replaced alone. Publishing some twice is harmless: the
+        learner keeps one per sample id."""
+        try:
+            await self._until_published(
+                partial(self.bus.publish_all, trajectories),
+                f"{len(trajectories)} trajectories of group {trajectories[0].group_id}",
+            )
+            self.published += len(trajectories)
+        except RecordTooLarge:
+            for trajectory in trajectories:
+                await self._publish(trajectory)
 
     async def _publish(self, trajectory: Trajectory) -> None:
-        """Publish, retrying while the broker is away: a generator that cannot publish must
-        not drop the work (the bus leaves it uncommitted if this is cancelled)."""
-        delay = 0.5
+        """One trajectory; one too large for the topic is reported and replaced by a failed
+        trajectory, so the learner counts it."""
         while True:
             try:
-                await self.bus.publish(trajectory)
+                await self._until_published(
+                    partial(self.bus.publish, trajectory), f"trajectory {trajectory.rollout_id}"
+                )
                 self.published += 1
                 return
             except RecordTooLarge as e:
-                # Reported, and replaced by a failed trajectory so the learner counts it.
                 await self.bus.publish(
                     JobEvent.of(
                         trajectory.job_id,
@@ -97,12 +87,19 @@ class WorkHandler:
                         "failure": RolloutFailure(kind="internal", message=str(e)),
                     }
                 )
+
+    async def _until_published(self, publish: Callable[[], Awaitable[object]], what: str) -> None:
+        """Retry while the broker is away: a generator that cannot publish must not drop the
+        work (the bus leaves it uncommitted if this is cancelled). A record too large is
+        raised at once: sending it again cannot help."""
+        delay = 0.5
+        while True:
+            try:
+                await publish()
+                return
+            except RecordTooLarge:
+                raise
             except Exception as e:
-                log.warning(
-                    "could not publish trajectory %s (%s); retrying in %.1fs",
-                    trajectory.rollout_id,
-                    e,
-                    delay,
-                )
+                log.warning("could not publish %s (%s); retrying in %.1fs", what, e, delay)
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 10.0)

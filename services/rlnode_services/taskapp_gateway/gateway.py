@@ -84,14 +84,15 @@ class Gateway:
         if not self.settings.runs_managed:
             return
         try:
-            records = await asyncio.to_thread(self._managed_records)
+            records = await asyncio.to_thread(self._take_over_managed)
         except SQLAlchemyError as e:  # the database is away: they start on first use then
             log.warning("could not read the managed Task Apps at start (%s)", e)
             return
         for record in records:
             self._managed(record).start()
 
-    def _managed_records(self) -> list[TaskAppRecord]:
+    def _take_over_managed(self) -> list[TaskAppRecord]:
+        """The managed registrations, with the endpoints an earlier run recorded forgotten."""
         with session_scope(self.engine) as s:
             s.exec(delete(ManagedEndpointRecord))
             return list(s.exec(select(TaskAppRecord).where(TaskAppRecord.kind == "managed")))
