@@ -26,7 +26,9 @@ from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.service.registry import CHECKPOINT_SERVER, GATEWAY, LEARNER, VAULT
 from rlnode.testing import unique_id
 
-STEPS, PROMPTS, GROUP = 8, 2, 4
+# Enough steps that the kill lands mid-job: since #18 a step of this job takes ~0.1 s, and
+# 8 steps could all be done before the kill (the broker's then took every event with it).
+STEPS, PROMPTS, GROUP = 30, 2, 4
 TASK_APP = "copy"
 
 
@@ -120,6 +122,10 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
         supervision,
     )
     before = served(running, org, job_id)
+    progress = (learner_jobs(running, org) or {}).get(job_id, {})
+    assert progress.get("status") == "running" and progress.get("step", STEPS) < STEPS, (
+        f"the job is not mid-way before the kill: {progress}"
+    )
     restarts_before = dict(running.restarts)
     killed = task_app_target(org, TASK_APP) if target == "taskapp" else target
     task_app_pid = chaos.pid_of(running, task_app_target(org, TASK_APP), {org.org_id: org})
