@@ -140,7 +140,9 @@ def test_example_rewards() -> None:
     assert copy.make_task(7, {}) == copy.make_task(7, {})  # deterministic per seed
     arithmetic = _example("arithmetic")
     question = arithmetic.make_task(3, {"operations": "+"})
-    assert arithmetic.reward(question, f"The answer is {question['answer']}") == 1.0
-    assert arithmetic.reward(question, f"{question['answer'] + 1}") == 0.0
+    assert arithmetic.reward(question, f"{question['answer']}") == 1.0
+    assert arithmetic.reward(question, f"The answer is {question['answer']}") == 0.8
+    assert arithmetic.reward(question, f"{question['answer'] + 1}") == 0.2
+    assert arithmetic.reward(question, f"It is {question['answer'] + 1}.") == 0.0
     guess = _example("guess_number").make_task(11, {"high": 10})
     assert 1 <= guess["secret"] <= 10

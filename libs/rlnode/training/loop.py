@@ -37,6 +37,7 @@ from rlnode.messages.jobs import (
     TrainStepData,
     WeightsPublishedData,
 )
+from rlnode.models.gguf import GgufError
 from rlnode.service.registry import LEARNER
 from rlnode.service.stores import job_dir
 from rlnode.trackers.live import LiveTrackers
@@ -52,6 +53,7 @@ from rlnode.training.evaluation import (
     summarise,
 )
 from rlnode.training.grpo import group_advantages, samples_from
+from rlnode.training.model_source import with_imported_model
 from rlnode.training.storage import (
     StoreWriteFailed,
     free_bytes,
@@ -98,6 +100,7 @@ class JobRunner:
         probe: Probe | None = None,
         disk_full_wait_s: float = 600.0,
         samples_per_work: int = 16,
+        model_store: Path | None = None,
     ) -> None:
         """`weights_dir`: the weights store, where weight versions go when it has room
         (None: beside the checkpoints); `weights_dtype`: the engines' dtype, which they are
@@ -105,7 +108,8 @@ class JobRunner:
         breaker, as in the in-process benchmarks, which have no gateway to ask);
         `disk_full_wait_s`: how long a write waits for room in a full store before the job
         fails (rlnode.training.storage); `samples_per_work`: samples of a group in one work
-        item (a generator runs them together; fewer spread a group over more generators)."""
+        item (a generator runs them together; fewer spread a group over more generators);
+        `model_store`: where a GGUF model.source is imported to (None: GGUF is not taken)."""
         self.job_id, self.org_id, self.config = job_id, org_id, config
         self.transport = transport
         self.root = job_dir(checkpoint_root, org_id, job_id)
@@ -116,6 +120,7 @@ class JobRunner:
         self.max_checkpoint_bytes = max_checkpoint_bytes
         self.disk_full_wait_s = disk_full_wait_s
         self.samples_per_work = samples_per_work
+        self.model_store = model_store
         # Why the job waits for room in a store, while it does (None: it does not).
         self.waiting_for_room: str | None = None
         self.weights_dir = self.root / "weights"
@@ -184,6 +189,13 @@ class JobRunner:
     # -- the loop ---------------------------------------------------------------------------
 
     async def run(self) -> None:
+        if self.model_store is not None:
+            try:
+                self.config = await asyncio.to_thread(
+                    with_imported_model, self.config, self.model_store
+                )
+            except GgufError as e:
+                raise JobFailed(f"model.source could not be imported: {e}") from None
         t = self.config.training
         if self.config.logging is not None and self.trackers is None:
             self.trackers = LiveTrackers(self.job_id, self.config.logging, self.root / "trackers")

@@ -170,6 +170,7 @@ class JobManager:
             max_checkpoint_bytes=self.settings.max_checkpoint_bytes,
             disk_full_wait_s=self.settings.disk_full_wait_s,
             samples_per_work=self.settings.samples_per_work,
+            model_store=self.settings.node.model_dir,
             probe=task_app_probe(self.settings, record.org_id, config.task_app.name),
         )
 

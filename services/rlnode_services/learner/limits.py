@@ -1,7 +1,7 @@
 """What one job request may cost and where its model may come from: the node's quotas
-(LEARNER_MAX_*), and `model.source` as a Hugging Face repo id, a directory the operator
-allows (LEARNER_MODEL_DIRS) or the org's own checkpoints. Each refusal names the limit and
-the setting."""
+(LEARNER_MAX_*), and `model.source` as a Hugging Face repo id, a directory or GGUF file the
+operator allows (LEARNER_MODEL_DIRS), the node's model store (imported models, shared by
+every org) or the org's own checkpoints. Each refusal names the limit and the setting."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, func, select
 
 from rlnode.messages import JobConfig
+from rlnode.models.gguf import GgufError, inspect_gguf, is_gguf_file
 from rlnode.trackers.registry import installed
 from rlnode_services.learner.settings import LearnerSettings
 from rlnode_services.learner.store import ACTIVE, JobRecord
@@ -71,8 +72,8 @@ def check_org_jobs(settings: LearnerSettings, engine: Engine, org_id: str) -> No
 
 
 def local_model(source: str) -> Path | None:
-    """The directory `source` names on this machine, if it names one (as transformers would
-    read it: a path that exists is a path, whatever it looks like)."""
+    """The directory or file `source` names on this machine, if it names one (as transformers
+    would read it: a path that exists is a path, whatever it looks like)."""
     path = Path(source).expanduser()
     return path.resolve() if path.exists() else None
 
@@ -93,6 +94,20 @@ def check_model_source(settings: LearnerSettings, config: JobConfig, org_id: str
                 )
             continue
         _check_local(settings, field, source, path, org_id)
+        if path.is_file():
+            _check_gguf(field, source, path)
+
+
+def _check_gguf(field: str, source: str, path: Path) -> None:
+    if not is_gguf_file(path):
+        raise OverLimit(
+            f"{field} {source!r} is a file that is not GGUF: name a Hugging Face directory, a "
+            ".gguf file or a Hugging Face repo id"
+        )
+    try:
+        inspect_gguf(path)
+    except GgufError as e:
+        raise OverLimit(f"{field} {source!r}: {e}") from None
 
 
 def _check_local(
@@ -102,6 +117,8 @@ def _check_local(
     own = [store.resolve() / org_id for store in node.stores]
     if any(path.is_relative_to(mine) for mine in own):
         return  # the org's own checkpoints: training on from one is fine
+    if path.is_relative_to(node.model_dir.resolve()):
+        return  # imported models (rlnode model import|fetch): public to the node's orgs
     private = [node.data_dir.resolve(), *(store.resolve() for store in node.stores)]
     if any(path.is_relative_to(p) for p in private):
         raise OverLimit(
@@ -137,7 +154,10 @@ def estimated_checkpoint_bytes(config: JobConfig) -> int | None:
     path = local_model(config.model.source)
     if path is None:
         return None
-    model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    if path.is_file():  # a GGUF, imported in float32 (rlnode_services.learner.models)
+        model_bytes = inspect_gguf(path).parameters * 4
+    else:
+        model_bytes = sum(f.stat().st_size for f in path.glob("*.safetensors"))
     t = config.training
     checkpoints = math.ceil(t.steps / t.checkpoint_every) + 1  # and the final one
     return model_bytes * CHECKPOINT_BYTES_PER_MODEL_BYTE * checkpoints
