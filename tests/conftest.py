@@ -52,6 +52,25 @@ def tool_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def smollm2_store(tmp_path_factory) -> Path:
+    """A model store holding SmolLM2-135M-Instruct, imported once per session from the GGUF
+    its package ships (make setup installs it): the real model's tests share it."""
+    from rlnode.models.catalogue import packaged_gguf
+    from rlnode.models.gguf import import_gguf
+
+    store = tmp_path_factory.mktemp("model-store")
+    import_gguf(packaged_gguf("smollm2-135m-instruct"), store, "float32")
+    return store
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_store: Path) -> Path:
+    """The imported SmolLM2-135M-Instruct's HF directory (float32)."""
+    (directory,) = smollm2_store.iterdir()
+    return directory
+
+
+@pytest.fixture(scope="session")
 def kafka_broker() -> Iterator[BrokerHandle]:
     """One broker for the session with the topics created, as on a node (`rlnode up` creates
     them before any service starts): a service that subscribed first would otherwise leave
