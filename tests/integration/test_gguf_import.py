@@ -59,7 +59,7 @@ def test_the_import_holds_exactly_the_ggufs_tensors(smollm2: Path, reader) -> No
     tensors = {t.name: t for t in reader.tensors}
     seen = set()
     with safe_open(smollm2 / "model.safetensors", "np") as hf:
-        for name in hf.keys():  # noqa: SIM118 (safe_open is no dict)
+        for name in hf.keys():
             gguf_name = names.get_name(name.removesuffix(".weight")) + ".weight"
             tensor = tensors[gguf_name]
             shape = [int(n) for n in reversed(tensor.shape)]
@@ -126,8 +126,10 @@ def test_the_same_file_is_converted_once(smollm2_store: Path, smollm2: Path) -> 
 def test_rlnode_model_fetch_imports_the_packaged_model(smollm2_store: Path, smollm2: Path) -> None:
     """The CLI, as a user runs it: the packaged file is found and its import reused."""
     done = subprocess.run(
-        [sys.executable, "-m", "rlnode.cli", "model", "fetch", "smollm2-135m-instruct"]
-        + ["--store", str(smollm2_store)],
+        [
+            *(sys.executable, "-m", "rlnode.cli", "model", "fetch", "smollm2-135m-instruct"),
+            *("--store", str(smollm2_store)),
+        ],
         capture_output=True,
         text=True,
         timeout=300,

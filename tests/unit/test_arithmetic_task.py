@@ -37,7 +37,15 @@ def test_the_difficulty_knobs_shape_the_questions() -> None:
 
 @pytest.mark.parametrize(
     ("answer", "expected"),
-    [("19", 1.0), (" 19.\n", 1.0), ("3 + 16 = 19", 0.8), ("1019", 0.2), ("1,019", 0.0), ("20", 0.2), ("", 0.0)],
+    [
+        ("19", 1.0),
+        (" 19.\n", 1.0),
+        ("3 + 16 = 19", 0.8),
+        ("1019", 0.2),
+        ("1,019", 0.0),
+        ("20", 0.2),
+        ("", 0.0),
+    ],
 )
 def test_reward_is_the_right_number_plus_the_bare_form(answer: str, expected: float) -> None:
     task = {"answer": 19}

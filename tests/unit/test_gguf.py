@@ -41,7 +41,7 @@ def test_an_architecture_the_engines_do_not_run_is_refused(tmp_path: Path) -> No
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"{\"not\": \"a model\"}", "is not a GGUF file"),
+        (b'{"not": "a model"}', "is not a GGUF file"),
         (b"GGUF\x03\x00\x00\x00garbage", "could not be read as GGUF"),
     ],
 )
