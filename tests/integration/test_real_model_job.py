@@ -13,6 +13,7 @@ import pytest
 
 from rlnode.examples import example_job, task_app_path
 from rlnode.messages import JobEventType
+from rlnode.messages.config import EvalSeeds
 from rlnode.models.catalogue import packaged_gguf
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.testing import unique_id
@@ -71,7 +72,7 @@ async def test_a_short_job_trains_the_real_model_with_every_weight_version_probe
     config = config.model_copy(
         update={
             "eval": config.eval.model_copy(
-                update={"every": STEPS, "at_start": False, "seeds": {"start": 10**6, "count": 4}}
+                update={"every": STEPS, "at_start": False, "seeds": EvalSeeds(start=10**6, count=4)}
             )
         }
     )

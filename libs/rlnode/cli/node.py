@@ -106,9 +106,11 @@ def _doctor(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from rlnode.node.demo import run_demo
+    from rlnode.node.demo import run_demo, run_real_model_demo
 
-    return run_demo(steps=args.steps, data_dir=args.data_dir)
+    if args.model == "smollm2":
+        return run_real_model_demo(steps=args.steps or 12, data_dir=args.data_dir)
+    return run_demo(steps=args.steps or 60, data_dir=args.data_dir)
 
 
 def _visible_gpus() -> int:
@@ -254,7 +256,16 @@ def register(commands: argparse._SubParsersAction) -> None:
     demo = commands.add_parser(
         "demo", help="bring a node up, train the tiny model on the copy task, ask it, shut down"
     )
-    demo.add_argument("--steps", type=int, default=60, help="training steps (default 60)")
+    demo.add_argument(
+        "--steps", type=int, default=None, help="training steps (default 60; smollm2: 12)"
+    )
+    demo.add_argument(
+        "--model",
+        choices=["tiny", "smollm2"],
+        default="tiny",
+        help="tiny: the copy task on a tiny model (~3 min); smollm2: SmolLM2-135M-Instruct "
+        "learning sums, before and after answers side by side (~10 min on 2 cores)",
+    )
     demo.add_argument(
         "--data-dir", type=Path, default=None, help="default: $RLNODE_DATA_DIR/demo/<time>"
     )

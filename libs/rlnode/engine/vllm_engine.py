@@ -95,7 +95,9 @@ class VLLMEngine:
         else:
             options["gpu_memory_utilization"] = gpu_memory_utilization
         if max_model_len:
-            options["max_model_len"] = max_model_len
+            # No longer than the model's own positions (vLLM refuses that).
+            longest = config.get("max_position_embeddings")
+            options["max_model_len"] = min(max_model_len, longest or max_model_len)
         args = AsyncEngineArgs(**options)
         from vllm.v1.engine.exceptions import EngineDeadError
 

@@ -148,6 +148,11 @@ class TrainStepData(EventData):
     tokens_per_s: NonNegativeFloat
     wait_s: NonNegativeFloat
     compute_s: NonNegativeFloat
+    generation_s: NonNegativeFloat = Field(
+        0.0,
+        description="The longest rollout of the step: its samples run together, so about the "
+        "wall time of the step's generation (and Task App calls).",
+    )
     trained_samples: NonNegativeInt = 0
     world_size: PositiveInt = 1
     failed_rollouts: NonNegativeInt = 0
@@ -158,6 +163,10 @@ class WeightsPublishedData(EventData):
     step: NonNegativeInt
     uri: str
     blake3: str
+    size_bytes: NonNegativeInt = 0
+    write_s: NonNegativeFloat = Field(
+        0.0, description="Writing and hashing the file and scoring the parity probe."
+    )
 
 
 class WeightsLoadedData(EventData):

@@ -1,7 +1,13 @@
 """`rlnode demo`: the whole product in one command, on the embedded defaults. It brings a
 node up, does what a user does (an org, a key sealed on this side and uploaded, a managed
 Task App, a job), shows the job live, draws the reward curve, asks the checkpoint a
-question, and shuts everything down."""
+question, and shuts everything down.
+
+`rlnode demo --model smollm2`: the same with a real pretrained model, SmolLM2-135M-Instruct
+(imported once from the GGUF its package ships), learning two-operand sums through a vLLM
+generator where vLLM is installed; held-out questions answered before training (the imported
+model, greedy, in this process) and after it (`<job>@best` through the checkpoint-server),
+side by side."""
 
 from __future__ import annotations
 
@@ -49,7 +55,7 @@ def run_demo(steps: int = 60, data_dir: Path | None = None) -> int:
         # Checkpoints half way and at the end: the answer below comes from @latest.
         config = example_job("copy_task", model, steps=steps, checkpoint_every=max(1, steps // 2))
         say(f"4/6  starting a job: {steps} GRPO steps of 8 prompts x 16 samples on the tiny model")
-        job_id, rows = asyncio.run(_train(node, org, config, say))
+        job_id, rows, _evals = asyncio.run(_train(node, org, config, say))
         say("5/6  reward against step")
         say(terminal_curve([r["reward_mean"] for r in rows]))
         png = write_plot(rows, root / f"{job_id}.png", title=f"{job_id} (copy task, tiny model)")
@@ -82,9 +88,132 @@ def run_demo(steps: int = 60, data_dir: Path | None = None) -> int:
     return 0
 
 
-async def _train(node: LocalNode, org, config: JobConfig, say) -> tuple[str, list[dict]]:
+def run_real_model_demo(steps: int = 12, data_dir: Path | None = None) -> int:
+    from rlnode.examples.taskapps import arithmetic
+    from rlnode.messages.config import EvalSeeds
+    from rlnode.models.catalogue import packaged_gguf
+    from rlnode.models.gguf import import_gguf
+
+    started = time.perf_counter()
+    root = data_dir or NodeSettings().data_dir / "demo" / datetime.now().strftime("%Y%m%d-%H%M%S")
+    store = NodeSettings().model_dir
+    say = _printer()
+    say(f"rlnode demo --model smollm2: everything it writes goes under {root}")
+    say(f"1/7  importing SmolLM2-135M-Instruct from its package's GGUF into {store} (once)")
+    imported = import_gguf(packaged_gguf("smollm2-135m-instruct"), store)
+    say(f"     {'found' if imported.reused else 'imported'}: {imported.path}")
+    engine = _real_model_engine()
+    say(f"2/7  starting the node (the generator runs {engine['GENERATOR_ENGINE']}); ~1-2 min")
+    env = {
+        "learner": {"LEARNER_MODEL_DIRS": json.dumps([str(store)])},
+        "rollout-generator": engine,
+    }
+    with LocalNode(NodeOptions(data_dir=root / "node", env=env)) as node:
+        say(f"     up in {time.perf_counter() - started:.0f}s")
+        org = node.create_org("demo", {"ENVIRONMENT_API_KEY": "demo-" + secrets.token_hex(16)})
+        say("3/7  org 'demo' with its sealed key; registering the managed arithmetic Task App")
+        node.register_example_task_app(org, "arithmetic", "arithmetic")
+        config = example_job("arithmetic_smollm2", imported.path, steps=steps)
+        assert config.eval is not None
+        shown = [arithmetic.make_task(s, config.task_app.env_config) for s in HELD_OUT_SHOWN]
+        say("4/7  the model before training, greedy on held-out questions (in this process)")
+        before = _answers_of_the_imported_model(imported.path, shown, config.sampling.max_tokens)
+        every = max(1, steps // 3)
+        config = config.model_copy(
+            update={
+                "eval": config.eval.model_copy(
+                    update={
+                        "every": every,
+                        "seeds": EvalSeeds(start=HELD_OUT_SHOWN.start, count=32),
+                    }
+                ),
+                "training": config.training.model_copy(update={"checkpoint_every": steps}),
+            }
+        )
+        say(
+            f"5/7  training {steps} GRPO steps of 8 questions x 8 samples; 32 held-out "
+            f"questions evaluated greedily at steps 0, {every}, ... ({steps} on two CPU cores: "
+            "about 40 s a step)"
+        )
+        job_id, rows, evals = asyncio.run(_train(node, org, config, say, with_evals=True))
+        say("6/7  reward against step")
+        say(terminal_curve([r["reward_mean"] for r in rows]))
+        png = write_plot(
+            rows, root / f"{job_id}.png", title=f"{job_id} (SmolLM2, sums)", evals=evals
+        )
+        say(f"     plot: {png}")
+        say(
+            "     held-out accuracy: "
+            + ", ".join(f"step {e['step']} {e['pass_at_1']:.2f}" for e in evals)
+        )
+        say(f"7/7  the same questions asked of {job_id}@best through the checkpoint-server")
+        with CheckpointClient(node.url(CHECKPOINT_SERVER.name), org.token) as server:
+            after = [
+                server.chat(
+                    f"{job_id}@best",
+                    arithmetic.prompt(task),
+                    max_tokens=config.sampling.max_tokens,
+                    temperature=0,
+                )["choices"][0]["message"]["content"]
+                for task in shown
+            ]
+        say(f"     {'question':<48} {'before':<28} {'after':<16} right")
+        for task, old, new in zip(shown, before, after, strict=True):
+            question = task["question"].removesuffix(" Answer with the number only.")
+            say(f"     {question:<48} {_one_line(old):<28} {_one_line(new):<16} {task['answer']}")
+        say("shutting the node down ...")
+    say(f"done in {time.perf_counter() - started:.0f}s")
+    return 0
+
+
+# Held-out questions (the Task App's seeds from 1,000,000), the first few shown side by side.
+HELD_OUT_SHOWN = range(1_000_000, 1_000_006)
+
+
+def _real_model_engine() -> dict[str, str]:
+    import importlib.util
+
+    if importlib.util.find_spec("vllm") is None:
+        return {"GENERATOR_ENGINE": "torch", "GENERATOR_DTYPE": "float32"}
+    return {
+        "GENERATOR_ENGINE": "vllm",
+        "GENERATOR_DTYPE": "float32",
+        "GENERATOR_CPU_KV_CACHE_MIB": "512",
+    }
+
+
+def _answers_of_the_imported_model(model: Path, tasks: list[dict], max_tokens: int) -> list[str]:
+    import torch
+
+    from rlnode.engine import render_chat
+    from rlnode.examples.taskapps import arithmetic
+    from rlnode.models.hf import load_causal_lm, load_tokenizer
+
+    tokenizer = load_tokenizer(model)
+    lm = load_causal_lm(model, dtype=torch.float32).eval()
+    answers = []
+    for task in tasks:
+        # The same rendering of the chat template as the engines'.
+        ids = torch.tensor([render_chat(tokenizer, arithmetic.prompt(task))])
+        with torch.no_grad():
+            out = lm.generate(
+                ids, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tokenizer.eos_token_id
+            )
+        answers.append(str(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)))
+    return answers
+
+
+def _one_line(text: str, width: int = 26) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 3] + "..."
+
+
+async def _train(
+    node: LocalNode, org, config: JobConfig, say, with_evals: bool = False
+) -> tuple[str, list[dict], list[dict]]:
     progress = Progress()
     rows: list[dict] = []
+    evals: list[dict] = []
     job_id = new_job_id()
     accepted = False
     async with node.jobs(org, service="demo") as jobs:
@@ -94,13 +223,16 @@ async def _train(node: LocalNode, org, config: JobConfig, say) -> tuple[str, lis
             if event.type is JobEventType.TRAIN_STEP:
                 rows.append(event.data)
                 progress.step(event)
+            elif event.type is JobEventType.EVAL_COMPLETED:
+                evals.append(event.data)
+                progress.say(f"     {event.type.value:<18} {event.message}")
             elif event.type not in QUIET:
                 progress.say(f"     {event.type.value:<18} {event.message}")
             if ends_the_job(event, accepted):
                 if event.type is not JobEventType.COMPLETED:
                     raise JobError(f"the demo job {event.type.value}: {event.message}", event)
                 break
-    return job_id, rows
+    return job_id, rows, evals
 
 
 def _printer():

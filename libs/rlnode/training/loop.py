@@ -462,6 +462,7 @@ class JobRunner:
                 tokens_per_s=tokens / compute_s if compute_s > 0 else 0.0,
                 wait_s=wait_s,
                 compute_s=compute_s,
+                generation_s=max((t.duration_s for t in trajectories), default=0.0),
                 trained_samples=len(samples),
                 world_size=self.trainer.world,
                 failed_rollouts=len(trajectories) - len(ok),
@@ -505,6 +506,7 @@ class JobRunner:
         version = self.version + 1
         path = self._weights_path(version)
         trainer = self.trainer
+        started = time.perf_counter()
         digest, size = await self._write(
             f"weights v{version:06d}", path, lambda: trainer.save_weights(path, self.weights_dtype)
         )
@@ -513,6 +515,7 @@ class JobRunner:
             token_ids=probe_ids,
             logprobs=await self._on_trainer_thread(self.trainer.score, probe_ids),
         )
+        write_s = time.perf_counter() - started
         await self.transport.publish_weights(
             WeightVersion(
                 job_id=self.job_id,
@@ -531,7 +534,14 @@ class JobRunner:
         await self._event(
             JobEventType.WEIGHTS_PUBLISHED,
             f"weights v{version} after step {self.step}",
-            WeightsPublishedData(version=version, step=self.step, uri=path.as_uri(), blake3=digest),
+            WeightsPublishedData(
+                version=version,
+                step=self.step,
+                uri=path.as_uri(),
+                blake3=digest,
+                size_bytes=size,
+                write_s=write_s,
+            ),
         )
 
     def _probe_ids(self) -> list[int]:

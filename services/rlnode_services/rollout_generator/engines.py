@@ -37,7 +37,7 @@ class EnginePool:
         self._creating = asyncio.Lock()
         self.latest: dict[str, WeightVersion] = {}  # newest version seen per job, loaded or not
 
-    def _create(self, source: str, reference: bool = False) -> Engine:
+    def _create(self, model: ModelSpec, reference: bool = False) -> Engine:
         settings = self.settings
         options: dict[str, str | int | float] = {"device": settings.device, "dtype": settings.dtype}
         if settings.engine == "torch":
@@ -54,9 +54,10 @@ class EnginePool:
                 else settings.gpu_memory_fraction,
                 "cpu_kv_cache_mib": settings.cpu_kv_cache_mib,
             }
-            if settings.max_model_len:
-                options["max_model_len"] = settings.max_model_len
-        return create_engine(settings.engine, source, **options)
+            # The job's own bound on a sequence: vLLM otherwise sizes for the model's longest
+            # (SmolLM2's 8192 needs 0.35 GiB of KV cache, and the CPU's default is 0.25).
+            options["max_model_len"] = settings.max_model_len or model.max_seq_len
+        return create_engine(settings.engine, model.source, **options)
 
     async def for_job(self, job_id: str, model: ModelSpec) -> JobEngines:
         engines = self.jobs.get(job_id)
@@ -65,9 +66,9 @@ class EnginePool:
         async with self._creating:
             if job_id not in self.jobs:
                 started = time.perf_counter()
-                policy = await asyncio.to_thread(self._create, model.source)
+                policy = await asyncio.to_thread(self._create, model)
                 reference = (
-                    await asyncio.to_thread(self._create, model.source, True)
+                    await asyncio.to_thread(self._create, model, True)
                     if self.settings.reference_on_inference
                     else None
                 )

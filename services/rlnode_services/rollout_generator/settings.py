@@ -58,7 +58,10 @@ class GeneratorSettings(VaultClientSettings):
         512, ge=16, description="vLLM on the CPU: the KV cache's size per engine, in MiB."
     )
     max_model_len: int | None = Field(
-        None, ge=16, description="vLLM: the longest sequence (default: the model's)."
+        None,
+        ge=16,
+        description="vLLM: the longest sequence (default: the job's model.max_seq_len, at "
+        "most the model's own).",
     )
     max_batch_size: int = Field(32, ge=1, le=4096, description="Requests in one batch.")
     max_wait_ms: float = Field(

