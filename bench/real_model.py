@@ -221,7 +221,12 @@ def run_trl(model: Path, args, workdir: Path, mode: str) -> dict:
         f"--trl-mode={mode}",
         *_shared_flags(args),
     ]
-    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(
+            command, capture_output=True, text=True, check=False, timeout=args.trl_timeout_s
+        )
+    except subprocess.TimeoutExpired:
+        return {"error": f"did not finish in {args.trl_timeout_s:.0f} s"}
     if done.returncode != 0:
         tail = done.stderr.strip().splitlines()[-6:]
         return {"error": f"exit {done.returncode}: " + " | ".join(tail)}
@@ -544,6 +549,7 @@ def main() -> None:
     parser.add_argument(
         "--trl-vllm", action="store_true", help="also TRL with its colocated vLLM generation"
     )
+    parser.add_argument("--trl-timeout-s", type=float, default=2400.0)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
