@@ -136,3 +136,34 @@ def training_arguments(parser, steps: int, max_async: int | None) -> None:
     )
     if max_async is not None:
         parser.add_argument("--max-async", type=int, default=max_async)
+
+
+def trl_grpo_config(out: Path, *, steps: int, batch: int, **varied: Any):
+    """TRL's GRPOConfig with rlnode's loss (token-mean over the batch, clip 0.2, group std
+    scaling, no KL), a constant learning rate and no saving, logging or progress bars, for
+    the benchmarks that run TRL against rlnode; `varied`: what each benchmark sets itself
+    (num_generations, learning_rate, temperature, max_completion_length, seed, ...)."""
+    from trl import GRPOConfig
+
+    return GRPOConfig(
+        output_dir=str(out),
+        max_steps=steps,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        beta=0.0,
+        epsilon=0.2,
+        loss_type="dapo",  # the token-mean over the batch, as rlnode's learner
+        scale_rewards="group",
+        shuffle_dataset=False,
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        disable_tqdm=True,
+        **varied,
+    )

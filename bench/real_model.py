@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import RESULTS, write_results
+from bench_common import RESULTS, trl_grpo_config, write_results
 
 from rlnode.examples import example_job
 from rlnode.examples.taskapps import arithmetic
@@ -64,7 +64,7 @@ def trl_worker(model: Path, args, out: Path) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     torch.manual_seed(args.seed)
     tasks = questions(range(args.prompts * args.steps))
@@ -148,32 +148,16 @@ def trl_worker(model: Path, args, out: Path) -> None:
             if logs and "reward" in logs and record["steps"]:
                 record["steps"][-1]["reward_mean"] = logs["reward"]
 
-    config = GRPOConfig(
-        output_dir=str(out.parent / "trl-out"),
-        max_steps=args.steps,
-        per_device_train_batch_size=args.prompts * args.group,
+    config = trl_grpo_config(
+        out.parent / "trl-out",
+        steps=args.steps,
+        batch=args.prompts * args.group,
         steps_per_generation=1,
         num_generations=args.group,
-        gradient_accumulation_steps=1,
         max_completion_length=args.max_tokens,
         temperature=args.temperature,
         learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="dapo",  # the token-mean over the batch, as rlnode's learner
-        scale_rewards="group",
-        shuffle_dataset=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
         seed=args.seed,
-        disable_tqdm=True,
         use_vllm=args.trl_mode == "vllm",
         vllm_mode="colocate",
         vllm_gpu_memory_utilization=0.3,

@@ -38,6 +38,7 @@ from bench_common import (
     copy_task_node,
     job_config,
     training_arguments,
+    trl_grpo_config,
     write_results,
 )
 
@@ -59,7 +60,7 @@ def trl_worker(model: Path, args, out: Path) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     torch.manual_seed(args.seed)
     tasks = [COPY.make_task(seed, ENV_CONFIG) for seed in range(args.prompts * args.steps)]
@@ -78,32 +79,16 @@ def trl_worker(model: Path, args, out: Path) -> None:
         records.append({"reward_mean": statistics.fmean(rewards), "t": time.perf_counter()})
         return rewards
 
-    config = GRPOConfig(
-        output_dir=str(out.parent / "trl-out"),
-        max_steps=args.steps * args.minibatches,  # TRL counts optimizer steps
-        per_device_train_batch_size=args.prompts * args.group // args.minibatches,
+    config = trl_grpo_config(
+        out.parent / "trl-out",
+        steps=args.steps * args.minibatches,  # TRL counts optimizer steps
+        batch=args.prompts * args.group // args.minibatches,
         steps_per_generation=args.minibatches,
         num_generations=args.group,
-        gradient_accumulation_steps=1,
         max_completion_length=args.max_tokens,
         temperature=1.0,
         learning_rate=args.lr,
-        lr_scheduler_type="constant",
-        warmup_steps=0,
-        weight_decay=0.0,
-        max_grad_norm=1.0,
-        beta=0.0,
-        epsilon=0.2,
-        loss_type="dapo",  # the token-mean over the batch, as rlnode's learner
-        scale_rewards="group",
-        shuffle_dataset=False,
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
         seed=args.seed,
-        disable_tqdm=True,
     )
     trainer = GRPOTrainer(
         model=str(model),

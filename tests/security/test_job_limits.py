@@ -51,3 +51,22 @@ async def test_an_oversized_job_is_rejected_naming_the_limit_and_the_learner_sta
     async with httpx.AsyncClient() as http:
         health = await http.get(f"{attacked.url('learner')}/health")
     assert health.json()["status"] == "ok"
+
+
+async def test_a_file_that_is_not_a_whole_gguf_is_no_model_source(
+    attacked: AttackedNode, tmp_path_factory
+) -> None:
+    """In a directory the node loads models from: a text file, and a file that starts like a
+    GGUF and then is not one. Both are refused at intake, naming the problem."""
+    allowed = tmp_path_factory.mktemp("models-allowed-by-rlnode-up")
+    text = allowed / "notes.txt"
+    text.write_text("not a model\n")
+    kind, reason = await verdict(attacked, example_job("copy_task", str(text), steps=1))
+    assert kind is JobEventType.REJECTED and "is a file that is not GGUF" in reason, reason
+    forged = allowed / "model.gguf"
+    forged.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
+    kind, reason = await verdict(attacked, example_job("copy_task", str(forged), steps=1))
+    assert kind is JobEventType.REJECTED and "could not be read as GGUF" in reason, reason
+    async with httpx.AsyncClient() as http:
+        health = await http.get(f"{attacked.url('learner')}/health")
+    assert health.json()["status"] == "ok"

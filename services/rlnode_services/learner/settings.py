@@ -55,9 +55,10 @@ class LearnerSettings(VaultClientSettings):
     # What one request may cost (a request over a limit is rejected, naming it)
     model_dirs: list[Path] = Field(
         default_factory=list,
-        description="Directories a job's model.source may name a local model in (JSON list). "
-        "Besides these: Hugging Face repo ids, and the org's own checkpoints. `rlnode up` "
-        "allows the temporary directory.",
+        description="Directories a job's model.source may name a local model (an HF directory "
+        "or a .gguf file) in (JSON list). Besides these: Hugging Face repo ids, the node's "
+        "model store (RLNODE_MODEL_DIR) and the org's own checkpoints. `rlnode up` allows the "
+        "temporary directory.",
     )
     samples_per_work: int = Field(
         16,
