@@ -30,12 +30,16 @@ from rlnode.models.gguf import import_gguf
 from rlnode.models.hf import load_causal_lm, load_tokenizer
 
 
+EOS = 2  # SmolLM2's <|im_end|>: the end of an answer, left out of every compared answer
+
+
 def greedy(model, prompt: list[int], tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(
-            torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, pad_token_id=2
+            torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, pad_token_id=EOS
         )
-    return out[0, len(prompt) :].tolist()
+    completion = out[0, len(prompt) :].tolist()
+    return completion[: completion.index(EOS)] if EOS in completion else completion
 
 
 def logprobs_of(model, prompt: list[int], completion: list[int]) -> list[float]:
@@ -108,7 +112,7 @@ def main() -> None:
                 llama.reset()
                 out = []
                 for token in llama.generate(p, top_k=1, top_p=1.0, temp=0.0, reset=True):
-                    if token == tokenizer.eos_token_id or len(out) >= args.tokens:
+                    if token == EOS or len(out) >= args.tokens:
                         break
                     out.append(token)
                 runs.append(out)

@@ -467,7 +467,9 @@ def report(results: dict[str, list[dict]], args) -> None:
     for system, runs in results.items():
         ok = [r for r in runs if "error" not in r]
         if not ok:
-            rows.append(f"| {system} | did not run: {runs[0]['error'][:300]} |||||||")
+            # The exception's own line: the end of the worker's stderr.
+            reason = runs[0]["error"].split(" | ")[-1].removeprefix("[rank0]: ").strip()
+            rows.append(f"| {system} | did not run: {reason[:300]} |||||||")
             continue
         r = ok[0] if len(ok) == 1 else _median_run(ok)
         split = r["split_s"]
