@@ -29,7 +29,6 @@ from rlnode.models.catalogue import packaged_gguf
 from rlnode.models.gguf import import_gguf
 from rlnode.models.hf import load_causal_lm, load_tokenizer
 
-
 EOS = 2  # SmolLM2's <|im_end|>: the end of an answer, left out of every compared answer
 
 
