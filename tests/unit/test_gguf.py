@@ -43,6 +43,7 @@ def test_an_architecture_the_engines_do_not_run_is_refused(tmp_path: Path) -> No
     [
         (b'{"not": "a model"}', "is not a GGUF file"),
         (b"GGUF\x03\x00\x00\x00garbage", "could not be read as GGUF"),
+        (b"GGUF\x03\x00\x00\x00" + b"\xff" * 64, "could not be read as GGUF"),
     ],
 )
 def test_a_file_that_is_not_a_whole_gguf_is_refused(

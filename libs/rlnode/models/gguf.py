@@ -104,12 +104,12 @@ def inspect_gguf(path: Path) -> GgufInfo:
         ) from None
     try:
         reader = GGUFReader(path)
-    except (ValueError, OSError) as e:
-        raise GgufError(f"{path} could not be read as GGUF: {e}") from None
-    architecture = _field_text(reader, "general.architecture")
-    name = _field_text(reader, "general.name") or path.stem
-    types = Counter(t.tensor_type.name for t in reader.tensors)
-    parameters = sum(int(t.n_elements) for t in reader.tensors)
+        architecture = _field_text(reader, "general.architecture")
+        name = _field_text(reader, "general.name") or path.stem
+        types = Counter(t.tensor_type.name for t in reader.tensors)
+        parameters = sum(int(t.n_elements) for t in reader.tensors)
+    except Exception as e:  # the parser meets a damaged file with whatever fails first
+        raise GgufError(f"{path} could not be read as GGUF ({type(e).__name__}: {e})") from None
     info = GgufInfo(
         path, architecture, name, dict(types), len(reader.tensors), parameters, path.stat().st_size
     )
