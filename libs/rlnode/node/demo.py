@@ -135,7 +135,7 @@ def run_real_model_demo(steps: int = 12, data_dir: Path | None = None) -> int:
             f"questions evaluated greedily at steps 0, {every}, ... ({steps} on two CPU cores: "
             "about 40 s a step)"
         )
-        job_id, rows, evals = asyncio.run(_train(node, org, config, say, with_evals=True))
+        job_id, rows, evals = asyncio.run(_train(node, org, config, say))
         say("6/7  reward against step")
         say(terminal_curve([r["reward_mean"] for r in rows]))
         png = write_plot(
@@ -209,7 +209,7 @@ def _one_line(text: str, width: int = 26) -> str:
 
 
 async def _train(
-    node: LocalNode, org, config: JobConfig, say, with_evals: bool = False
+    node: LocalNode, org, config: JobConfig, say
 ) -> tuple[str, list[dict], list[dict]]:
     progress = Progress()
     rows: list[dict] = []
