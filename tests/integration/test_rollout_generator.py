@@ -616,7 +616,7 @@ async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from rlnode.training.grpo import samples_from
+    from rlnode.training.grpo import sample_batch
 
     generator = stack.generator(
         "vllm",
@@ -655,7 +655,8 @@ async def test_a_vllm_generator_on_a_bpe_model_records_what_it_sampled_and_loads
             assert reply in tokenizer.decode(later.prompt_ids)
     assert turns_seen > len(items)  # the guessing episodes had several turns
     # What the learner trains on is what vLLM sampled, id for id (one sample per turn).
-    samples = samples_from(trajectories, {str(t.id): 1.0 for t in trajectories})
+    advantages = {str(t.id): 1.0 for t in trajectories}
+    samples = sample_batch(trajectories, advantages, merge=False).samples
     recorded = [
         (turn.prompt_ids, turn.completion_ids, turn.logprobs)
         for t in trajectories

@@ -156,6 +156,17 @@ class TrainStepData(EventData):
     trained_samples: NonNegativeInt = 0
     world_size: PositiveInt = 1
     failed_rollouts: NonNegativeInt = 0
+    merged_trajectories: NonNegativeInt = Field(
+        0,
+        description="Multi-turn trajectories trained as one sequence: each turn's prompt "
+        "started with the previous turn's prompt and completion, token for token.",
+    )
+    per_turn_trajectories: NonNegativeInt = Field(
+        0,
+        description="Multi-turn trajectories trained as one sample per turn: a turn's prompt "
+        "did not extend the previous turn's (the history was truncated, rewritten or "
+        "tokenised differently).",
+    )
 
 
 class WeightsPublishedData(EventData):

@@ -1,8 +1,9 @@
 """Group-relative advantages and the clipped policy-gradient objective (GRPO family).
 
-A sample is one inference call (turn) of one trajectory: its prompt and completion tokens,
-the behaviour policy's logprobs of the completion (recorded by the generator), optionally
-the reference model's, and the trajectory's advantage.
+A sample is one row of training: a prompt and the completion tokens after it, the behaviour
+policy's logprobs of the completion (recorded by the generator), optionally the reference
+model's, and the trajectory's advantage. A multi-turn trajectory whose turns extend each
+other is one sample (`merge_turns`); otherwise each inference call (turn) is one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 
@@ -26,10 +28,21 @@ class Sample:
     ref_logprobs: list[float] | None = None
     policy_version: int = 0
     trajectory_id: str = ""
+    # Which completion tokens are trained: None, all of them; else True exactly at the
+    # tokens the model sampled, False at the environment's (between the turns of a merge).
+    loss_mask: list[bool] | None = None
 
     @property
     def tokens(self) -> int:
+        """The row's length: prompt and completion tokens."""
         return len(self.prompt_ids) + len(self.completion_ids)
+
+
+def trained_tokens(sample: Sample) -> int:
+    """How many of the sample's completion tokens the loss is taken over."""
+    if sample.loss_mask is None:
+        return len(sample.completion_ids)
+    return sum(sample.loss_mask)
 
 
 # Rewards this close count as equal.
@@ -64,27 +77,97 @@ def group_advantages(
     return advantages
 
 
-def samples_from(trajectories: Iterable[Trajectory], advantages: dict[str, float]) -> list[Sample]:
-    """One sample per turn; every turn of a trajectory shares its advantage."""
-    samples = []
+@dataclass
+class SampleBatch:
+    """A step's samples, and how its multi-turn trajectories were made into them."""
+
+    samples: list[Sample]
+    merged_trajectories: int = 0  # multi-turn, trained as one sequence
+    per_turn_trajectories: int = 0  # multi-turn, whose turns did not extend each other
+
+
+def sample_batch(
+    trajectories: Iterable[Trajectory], advantages: dict[str, float], merge: bool = True
+) -> SampleBatch:
+    """The samples of the trajectories that have an advantage, each trajectory's sharing it:
+    one per trajectory whose turns extend each other (`merge_turns`; with `merge`), else one
+    per turn that sampled tokens."""
+    batch = SampleBatch([])
     for t in trajectories:
         advantage = advantages.get(str(t.id))
         if advantage is None:
             continue
-        for turn in t.turns:
-            if turn.completion_ids:
-                samples.append(
-                    Sample(
-                        prompt_ids=turn.prompt_ids,
-                        completion_ids=turn.completion_ids,
-                        behaviour_logprobs=turn.logprobs,
-                        advantage=advantage,
-                        ref_logprobs=turn.ref_logprobs,
-                        policy_version=turn.policy_version,
-                        trajectory_id=str(t.id),
-                    )
-                )
-    return samples
+        merged = merge_turns(t, advantage) if merge else None
+        if merged is not None:
+            batch.samples.extend(merged)
+            batch.merged_trajectories += len(t.turns) > 1
+            continue
+        batch.per_turn_trajectories += len(t.turns) > 1
+        batch.samples.extend(
+            Sample(
+                prompt_ids=turn.prompt_ids,
+                completion_ids=turn.completion_ids,
+                behaviour_logprobs=turn.logprobs,
+                advantage=advantage,
+                ref_logprobs=turn.ref_logprobs,
+                policy_version=turn.policy_version,
+                trajectory_id=str(t.id),
+            )
+            for turn in t.turns
+            if turn.completion_ids
+        )
+    return batch
+
+
+def samples_from(trajectories: Iterable[Trajectory], advantages: dict[str, float]) -> list[Sample]:
+    """`sample_batch`'s samples."""
+    return sample_batch(trajectories, advantages).samples
+
+
+def merge_turns(trajectory: Trajectory, advantage: float) -> list[Sample] | None:
+    """The trajectory as one sample when every turn's prompt starts, token for token, with
+    the previous turn's prompt and completion (the Task App sent the history back as it was
+    sampled): the first turn's prompt, then everything after it, with `loss_mask` False at
+    the environment's tokens between the turns. Each turn's prompt holds the whole history,
+    so a sample per turn trains on that history once per turn (quadratic in the turns); one
+    sample trains on it once. None when a turn does not extend the one before (the history
+    was truncated, rewritten or re-tokenised differently): then each turn is its own sample.
+    The sample's policy version is its oldest turn's; its reference logprobs are there only
+    if every turn carried them. No sample ([]) when no turn sampled a token."""
+    turns = trajectory.turns
+    if not turns:
+        return None
+    for earlier, later in pairwise(turns):
+        so_far = len(earlier.prompt_ids) + len(earlier.completion_ids)
+        if later.prompt_ids[:so_far] != earlier.prompt_ids + earlier.completion_ids:
+            return None
+    if not any(turn.completion_ids for turn in turns):
+        return []
+    start = len(turns[0].prompt_ids)
+    completion: list[int] = []
+    mask: list[bool] = []
+    behaviour: list[float] = []
+    carried = all(turn.ref_logprobs is not None for turn in turns)
+    reference: list[float] = []
+    for turn in turns:
+        environment = turn.prompt_ids[start + len(completion) :]  # since the last completion
+        completion += environment + turn.completion_ids
+        mask += [False] * len(environment) + [True] * len(turn.completion_ids)
+        behaviour += [0.0] * len(environment) + turn.logprobs
+        if carried:
+            reference += [0.0] * len(environment) + (turn.ref_logprobs or [])
+    return [
+        Sample(
+            prompt_ids=turns[0].prompt_ids,
+            completion_ids=completion,
+            behaviour_logprobs=behaviour,
+            advantage=advantage,
+            ref_logprobs=reference if carried else None,
+            policy_version=min(turn.policy_version for turn in turns),
+            trajectory_id=str(trajectory.id),
+            loss_mask=None if all(mask) else mask,
+        )
+    ]
 
 
 def clipped_objective(

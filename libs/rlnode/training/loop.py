@@ -53,7 +53,7 @@ from rlnode.training.evaluation import (
     recorded_rounds,
     summarise,
 )
-from rlnode.training.grpo import group_advantages, samples_from
+from rlnode.training.grpo import group_advantages, sample_batch
 from rlnode.training.model_source import with_imported_model
 from rlnode.training.storage import (
     StoreWriteFailed,
@@ -430,9 +430,9 @@ class JobRunner:
             ),
         )
         advantages = group_advantages(ok)
-        every_turn = samples_from(ok, advantages)
-        staleness = [self.version - s.policy_version for s in every_turn]
-        samples = [s for s in every_turn if s.advantage != 0.0]
+        batch = sample_batch(ok, advantages)
+        staleness = [self.version - s.policy_version for s in batch.samples]
+        samples = [s for s in batch.samples if s.advantage != 0.0]
         started = time.perf_counter()
         # Data parallel needs a sample per rank; a batch with fewer to learn from is skipped.
         if len(samples) >= self.trainer.world:
@@ -466,6 +466,8 @@ class JobRunner:
                 trained_samples=len(samples),
                 world_size=self.trainer.world,
                 failed_rollouts=len(trajectories) - len(ok),
+                merged_trajectories=batch.merged_trajectories,
+                per_turn_trajectories=batch.per_turn_trajectories,
             ),
         )
 

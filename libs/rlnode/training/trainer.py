@@ -188,8 +188,10 @@ class CompletionLogprobs(torch.nn.Module):
 def completion_logprobs(
     model: torch.nn.Module, batch: list[Sample], device: str, temperature: float, pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logprobs (of logits / temperature) of every completion token, right-padded into a
-    [rows, longest completion] tensor, and the matching mask. `model` is a
+    """Logprobs (of logits / temperature) of every trained completion token, right-padded
+    into a [rows, longest completion] tensor, and the mask of the trained tokens: 0 past a
+    row's end and where `Sample.loss_mask` says the environment wrote the token (a merged
+    multi-turn trajectory), whose logprob is not computed (0 there). `model` is a
     `CompletionLogprobs` (or a sharded one)."""
     width = max(s.tokens for s in batch)
     longest = max(len(s.completion_ids) for s in batch)
@@ -202,6 +204,8 @@ def completion_logprobs(
         attention[row, : len(ids)] = 1
         start = len(s.prompt_ids) - 1  # the hidden state at position i predicts token i + 1
         for k in range(len(s.completion_ids)):
+            if s.loss_mask is not None and not s.loss_mask[k]:
+                continue
             rows.append(row)
             positions.append(start + k)
             columns.append(k)
@@ -215,10 +219,13 @@ def completion_logprobs(
     )
     out = torch.zeros((len(batch), longest), device=device, dtype=flat.dtype)
     out = out.index_put((index_rows, torch.tensor(columns, device=device)), flat)
-    mask = torch.zeros((len(batch), longest), device=device)
+    mask = torch.zeros((len(batch), longest))
     for row, s in enumerate(batch):
-        mask[row, : len(s.completion_ids)] = 1.0
-    return out, mask
+        if s.loss_mask is None:
+            mask[row, : len(s.completion_ids)] = 1.0
+        else:  # a merged trajectory: the environment's tokens are not trained
+            mask[row, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=mask.dtype)
+    return out, mask.to(device)
 
 
 def _padded(rows: list[list[float]], width: int, device: str) -> torch.Tensor:
