@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -592,3 +593,73 @@ def test_a_tool_calling_task_trains_through_the_node_and_its_checkpoint_calls_to
             model=f"{finished_job}@latest", messages=asked, tools=calculator.TOOLS
         )
     client.close()
+
+
+def test_a_lora_job_syncs_adapters_and_its_checkpoints_are_served_merged(
+    node, finished_job, tmp_path
+) -> None:
+    """[training.lora] through the whole node: weight versions and checkpoints hold the
+    adapters alone; the checkpoint-server serves base + adapters with the logprobs of that
+    merge, and hands out the merged weights."""
+    running, org, config, _directory = node
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    job = JobConfig.model_validate_json(config.read_text())
+    lora = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    document = job.model_dump(mode="json")
+    document["training"] |= {"steps": 2, "checkpoint_every": 2, "learning_rate": 5e-2, "lora": lora}
+    document["eval"] = None
+    document["logging"] = None
+    lora_config = tmp_path / "lora.json"
+    lora_config.write_text(json.dumps(document))
+    job_id = unique_id("lora")
+    result = cli(node, "job", "start", str(lora_config), "--job-id", job_id, "--watch")
+    assert result.returncode == 0, result.stdout + result.stderr
+    events = cli(node, "events", "--job", job_id, "--json")
+    published = [
+        json.loads(line)["data"]
+        for line in events.stdout.splitlines()
+        if json.loads(line)["type"] == "weights.published"
+    ]
+    base = job.model.source
+    full_bytes = sum(f.stat().st_size for f in Path(base).glob("*.safetensors"))
+    assert published and all(p["size_bytes"] < full_bytes / 10 for p in published)
+    step_dir = (
+        running.data_dir / "checkpoints" / org.org_id / job_id / "checkpoints" / "step-000002"
+    )
+    names = {f.name for f in step_dir.iterdir()}
+    assert {"adapter_config.json", "adapter_model.safetensors"} <= names
+    assert "model.safetensors" not in names  # the base is referenced, not copied
+    assert (
+        json.loads((step_dir / "adapter_config.json").read_text())["base_model_name_or_path"]
+        == base
+    )
+    with CheckpointClient(running.url("checkpoint-server"), org.token) as server:
+        wait_indexed(server, job_id, [2])
+        merged_file = server.download_merged(f"{job_id}@2", tmp_path / "merged.safetensors")
+        answer = server.chat(f"{job_id}@2", "Copy: cab", max_tokens=6, temperature=0, logprobs=True)
+        with pytest.raises(CheckpointError) as whole:  # a full-weight checkpoint has no merge
+            server.download_merged(f"{finished_job}@{STEPS}", tmp_path / "x")
+    assert whole.value.status == 400 and "holds whole weights" in whole.value.message
+    # The merged weights: the base with q and v projections changed, nothing else.
+    merged = load_file(str(merged_file))
+    original = load_file(str(next(Path(base).glob("*.safetensors"))))
+    changed = {k for k in original if not torch.equal(original[k], merged[k])}
+    assert changed and all(k.endswith(("q_proj.weight", "v_proj.weight")) for k in changed)
+    # Served = a forward pass of the merged weights.
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+    model.load_state_dict(merged, strict=False)
+    tokenizer = load_tokenizer(base)
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Copy: cab"}], add_generation_prompt=True, tokenize=True
+    )
+    prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
+    content = answer["choices"][0]["logprobs"]["content"]
+    completion = tokenizer.convert_tokens_to_ids([t["token"] for t in content])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(
+            model(input_ids=torch.tensor([prompt + completion])).logits.float(), dim=-1
+        )
+    direct = [float(logprobs[0, len(prompt) - 1 + i, t]) for i, t in enumerate(completion)]
+    assert [t["logprob"] for t in content] == pytest.approx(direct, abs=1e-4)

@@ -20,7 +20,13 @@ from rlnode.service.openai_api import parse_tool_calls
 from rlnode.taskapp import TaskAppDefinition
 from rlnode.training.breaker import Probe
 from rlnode.training.inprocess import InProcessGenerator
-from rlnode.training.loop import JobCancelled, JobRunner, trained_work_ids
+from rlnode.training.loop import (
+    JobCancelled,
+    JobFailed,
+    JobRunner,
+    differing_groups,
+    trained_work_ids,
+)
 from rlnode.training.transport import InMemoryTransport
 from tests.conftest import eventually
 
@@ -357,3 +363,92 @@ async def test_a_tool_calling_task_trains_on_exactly_the_tokens_sampled(tool_mod
         for turn in trajectory.turns:
             key = (tuple(turn.prompt_ids), tuple(turn.completion_ids))
             assert engine_said.get(key) == turn.logprobs, "a turn differs from what was sampled"
+
+
+def _tied_below(first_refill_seed: int) -> TaskAppDefinition:
+    """The copy task, except that questions of seeds below `first_refill_seed` (the steps'
+    own) give every answer the same reward: a group that teaches nothing."""
+
+    def make_task(seed: int, env: dict) -> dict:
+        return {**copy_task.make_task(seed, env), "tied": seed < first_refill_seed}
+
+    def reward(task: dict, answer: str) -> float:
+        return 0.5 if task["tied"] else copy_task.reward(task, answer)
+
+    from rlnode.taskapp import single_turn
+
+    return TaskAppDefinition(
+        name="copy-task",
+        make_task=make_task,
+        run_episode=single_turn(copy_task.prompt, reward),
+    )
+
+
+async def test_dapo_dynamic_sampling_refills_tied_groups_with_new_questions(tiny_model, tmp_path):
+    job = config(tiny_model, steps=2, max_async=0, algorithm="dapo", dapo={"max_refills": 2})
+    own = job.training.steps * job.training.prompts_per_step  # seeds 0..3: all tied
+    loop = Loop(tiny_model, tmp_path, job, task_app=_tied_below(own))
+    await loop.run()
+    steps = loop.events(JobEventType.TRAIN_STEP)
+    assert [s["step"] for s in steps] == [1, 2]
+    for step, trained in zip((0, 1), steps, strict=True):
+        work = [w for w in loop.transport.work if w.step == step]
+        assert [w.seed for w in work[:2]] == [step * 2, step * 2 + 1]  # the step's own, tied
+        # Then refill rounds of new questions (seeds past every step's own) until two groups
+        # differ: round r asks group r*2+p the refill seed (step, r, p).
+        refills = work[2:]
+        assert refills and all(w.seed >= own for w in refills)
+        rounds = []
+        for w in refills:
+            round_, p = divmod(int(w.group_id.split("/")[1]), 2)
+            assert w.seed == job.refill_seed_index(step, round_, p)
+            rounds.append(round_)
+        differing = differing_groups([t for t in loop.delivered if t.step == step])
+        assert len(differing) >= 2 or max(rounds) == 2  # two differ, or no refills are left
+        # Only groups that differ are trained: up to prompts_per_step of them.
+        assert trained["trained_samples"] == 4 * min(2, len(differing))
+    rollouts = [b["count"] for b in loop.events(JobEventType.ROLLOUT_BATCH)]
+    assert rollouts == [4 * sum(w.step == s for w in loop.transport.work) for s in (0, 1)]
+
+
+LORA = {"rank": 4, "alpha": 8, "modules_to_save": ["embed_tokens"]}
+
+
+async def test_a_lora_job_syncs_adapters_and_resumes_from_an_adapter_checkpoint(
+    tiny_model, tmp_path
+):
+    job = config(tiny_model, steps=4, max_async=1, checkpoint_every=2, lora=LORA)
+    first = Loop(tiny_model, tmp_path, job)
+    task = asyncio.create_task(first.run())
+    first.runner.on_progress = lambda step: task.cancel() if step == 3 else None
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    full = sum(f.stat().st_size for f in tiny_model.glob("*.safetensors"))
+    versions = first.transport.weights
+    assert versions and all(v.adapter is not None and v.size_bytes < full for v in versions)
+    checkpoint = tmp_path / "org" / "job-loop" / "checkpoints" / "step-000002"
+    assert (checkpoint / "adapter_model.safetensors").is_file()
+    assert not (checkpoint / "model.safetensors").exists()
+    # The generator served each version: its engine's logprobs are the trainer's.
+    probe = versions[-1].probe
+    (served,) = await first.engine.score([probe.token_ids])
+    assert served == pytest.approx(probe.logprobs, abs=1e-4)
+
+    second = Loop(tiny_model, tmp_path, job)
+    await second.run()
+    started = [e for e in second.transport.events if e.type is JobEventType.STARTED]
+    assert "from step 2" in started[0].message
+    # Resumed from the adapters: its first version (the checkpoint's) scores as the first
+    # run's step-2 version did.
+    at_step_2 = next(v for v in versions if v.step == 2)
+    assert second.transport.weights[0].probe.logprobs == pytest.approx(
+        at_step_2.probe.logprobs, abs=1e-5
+    )
+    assert [s["step"] for s in second.events(JobEventType.TRAIN_STEP)] == [3, 4]
+
+
+async def test_lora_targets_the_model_lacks_fail_the_job_saying_which(tiny_model, tmp_path):
+    job = config(tiny_model, steps=1, lora={"rank": 4, "target_modules": ["c_attn"]})
+    loop = Loop(tiny_model, tmp_path, job)
+    with pytest.raises(JobFailed, match=r"target_modules \['c_attn'\] are not modules"):
+        await loop.run()

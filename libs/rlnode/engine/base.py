@@ -17,6 +17,7 @@ from typing import Any, Literal, Protocol
 
 import blake3
 
+from rlnode.messages.config import LoraSpec
 from rlnode.models import TIED_OUTPUT
 
 
@@ -59,10 +60,19 @@ class Engine(Protocol):
     async def generate(self, request: GenerationRequest) -> GenerationResult:
         """Sample a completion; concurrent calls are batched together."""
 
-    async def load_weights(self, path: Path, version: int, digest: str | None = None) -> float:
+    async def load_weights(
+        self,
+        path: Path,
+        version: int,
+        digest: str | None = None,
+        adapter: LoraSpec | None = None,
+    ) -> float:
         """Load a safetensors state dict between batches (never during one); returns the
         seconds it took. Requests after it see `version`. Given `digest` (BLAKE3, hex), a file
-        whose bytes hash otherwise is refused (EngineError) and nothing is loaded."""
+        whose bytes hash otherwise is refused (EngineError) and nothing is loaded. Given
+        `adapter`, the file holds LoRA adapters for the base model (rlnode.models.lora):
+        they replace the last version's adapters (vLLM serves them as an adapter, the torch
+        engine merges them into the base weights)."""
 
     async def score(self, sequences: list[list[int]]) -> list[list[float]]:
         """For each sequence, the logprob of every token after the first given those before

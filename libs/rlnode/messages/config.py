@@ -143,8 +143,67 @@ class LoggingSpec(StrictModel):
         return [name for name, on in chosen.items() if on]
 
 
+class DapoSpec(StrictModel):
+    """DAPO's sampling and reward shaping (rlnode.training.losses.dapo); only with
+    `algorithm = "dapo"`."""
+
+    dynamic_sampling: bool = Field(
+        True,
+        description="Drop groups whose rewards are all equal and sample more prompts for the "
+        "step until it has prompts_per_step groups that differ.",
+    )
+    max_refills: NonNegativeInt = Field(
+        3, le=64, description="Extra sampling rounds a step may take to refill its groups."
+    )
+    overlong_buffer: NonNegativeInt = Field(
+        0,
+        le=131_072,
+        description="Tokens before sampling.max_tokens where the soft overlong penalty starts "
+        "(0: off).",
+    )
+    overlong_penalty: float = Field(
+        1.0, ge=0.0, le=100.0, description="Reward lost by a completion that reaches max_tokens."
+    )
+
+
+Algorithm = Literal["grpo", "dr_grpo", "dapo", "gspo"]
+
+DEFAULT_LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoraSpec(StrictModel):
+    """Low-rank adapters (LoRA, via PEFT): the base model stays frozen and only the adapters
+    are trained, synced to the engines (which load them as adapters) and checkpointed, with
+    a reference to the base."""
+
+    rank: PositiveInt = Field(16, le=1024)
+    alpha: PositiveInt = Field(32, le=65_536, description="The update is alpha/rank x B A.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        min_length=1,
+        max_length=64,
+        description="Names of the linear layers that get adapters (every layer's).",
+    )
+    modules_to_save: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Modules trained in full beside the adapters and synced with them (PEFT's "
+        "modules_to_save), e.g. embed_tokens: a model trained from random weights learns "
+        "mostly there. A tied output layer follows its embedding.",
+    )
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class TrainingSpec(StrictModel):
-    algorithm: Literal["grpo"] = "grpo"
+    algorithm: Algorithm = Field(
+        "grpo",
+        description="The policy loss (rlnode.training.losses; README, 'Training methods'): "
+        "grpo, dr_grpo, dapo or gspo.",
+    )
     steps: NonNegativeInt = Field(
         50,
         le=10_000_000,
@@ -155,8 +214,50 @@ class TrainingSpec(StrictModel):
     learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
     weight_decay: float = Field(0.0, ge=0.0)
     max_grad_norm: float = Field(1.0, gt=0.0)
-    clip_eps: float = Field(0.2, gt=0.0, le=10.0)
+    clip_eps: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="PPO clip range below 1 (and above, unless clip_eps_high is set); "
+        "defaults to the algorithm's: 0.2, GSPO 3e-4.",
+    )
+    clip_eps_high: float | None = Field(
+        None,
+        gt=0.0,
+        le=10.0,
+        description="Clip range above 1 (clip-higher); defaults to clip_eps, DAPO 0.28, GSPO 4e-4.",
+    )
     kl_coef: float = Field(0.0, ge=0.0)
+    kl_estimator: Literal["k1", "k2", "k3"] = Field(
+        "k3", description="Estimator of KL(policy || reference) (rlnode.training.losses.kl)."
+    )
+    kl_penalty: Literal["loss", "reward"] = Field(
+        "loss",
+        description="Where kl_coef x KL goes: a loss term, or a per-token reward penalty "
+        "(each token's advantage less the penalties from it to the end).",
+    )
+    tis_cap: float | None = Field(
+        None,
+        ge=1.0,
+        le=1000.0,
+        description="Truncated importance sampling: weigh each token by min(trainer/sampler "
+        "probability ratio, tis_cap) and clip only the ratio to the trainer's own policy "
+        "before the step (None: one ratio to the sampler, clipped).",
+    )
+    dapo: DapoSpec | None = Field(
+        None, description="DAPO's dynamic sampling and overlong penalty (algorithm = 'dapo')."
+    )
+    lora: LoraSpec | None = Field(
+        None, description="Train low-rank adapters instead of every weight ([training.lora])."
+    )
+
+    @property
+    def dapo_options(self) -> DapoSpec | None:
+        """DAPO's options (their defaults when the section is left out), None for others."""
+        if self.algorithm != "dapo":
+            return None
+        return self.dapo or DapoSpec()
+
     max_async: NonNegativeInt = Field(
         1, le=64, description="Policy versions rollouts may run ahead of training (0 = on-policy)."
     )
@@ -210,6 +311,21 @@ class JobConfig(StrictModel):
     eval: EvalSpec | None = Field(None, description="Held-out evaluation while training.")
     logging: LoggingSpec | None = Field(None, description="Trackers the events go to, live.")
 
+    def seed_of(self, index: int) -> int:
+        """The Task App seed of the `index`-th training prompt."""
+        return self.seeds.start + (index % self.seeds.count if self.seeds.count else index)
+
+    def refill_seed_index(self, step: int, round_: int, prompt: int) -> int:
+        """The prompt index of a DAPO refill (round 1, 2, ...): past every step's own, so a
+        refill asks new questions and never one a later step asks."""
+        t = self.training
+        refills = t.dapo_options.max_refills if t.dapo_options else 0
+        return (
+            t.steps * t.prompts_per_step
+            + (step * refills + round_ - 1) * t.prompts_per_step
+            + prompt
+        )
+
     def eval_steps(self) -> list[int]:
         """The steps after which the model is evaluated, in order."""
         spec, steps = self.eval, self.training.steps
@@ -223,8 +339,12 @@ class JobConfig(StrictModel):
         return sorted(due)
 
     def training_seeds(self) -> range:
-        """The seeds training visits (it wraps around a bounded `seeds` range)."""
+        """The seeds training visits (it wraps around a bounded `seeds` range); DAPO's
+        refills take theirs after the steps' own (`refill_seed_index`)."""
         visits = self.training.steps * self.training.prompts_per_step
+        dapo = self.training.dapo_options
+        if dapo is not None and dapo.dynamic_sampling:
+            visits *= 1 + dapo.max_refills
         if self.seeds.count is not None:
             visits = min(visits, self.seeds.count)
         return range(self.seeds.start, self.seeds.start + visits)
@@ -245,6 +365,22 @@ class JobConfig(StrictModel):
                     f"visits ({seen.start}..{seen.stop - 1}), so they are not held out: move "
                     "eval.seeds.start past them, or bound training with seeds.count"
                 )
+        return self
+
+    @model_validator(mode="after")
+    def _dapo_options(self) -> JobConfig:
+        t = self.training
+        if t.dapo is not None and t.algorithm != "dapo":
+            raise ValueError(
+                f"[training.dapo] applies to algorithm = 'dapo', not {t.algorithm!r}: set "
+                "training.algorithm = 'dapo' or remove the section"
+            )
+        if t.dapo is not None and t.dapo.overlong_buffer >= self.sampling.max_tokens:
+            raise ValueError(
+                f"training.dapo.overlong_buffer ({t.dapo.overlong_buffer}) must be below "
+                f"sampling.max_tokens ({self.sampling.max_tokens}): the penalty starts that "
+                "many tokens before the limit"
+            )
         return self
 
     @model_validator(mode="after")

@@ -167,6 +167,12 @@ class TrainStepData(EventData):
         "did not extend the previous turn's (the history was truncated, rewritten or "
         "tokenised differently).",
     )
+    mismatch_kl: NonNegativeFloat | None = Field(
+        None,
+        description="KL(sampler || trainer) of the trained tokens before the step's update "
+        "(k3 estimate): the engines' numerical gap plus the samples' staleness. A rise warns "
+        "of a run about to collapse; training.tis_cap corrects for it.",
+    )
 
 
 class WeightsPublishedData(EventData):

@@ -15,7 +15,7 @@ from pydantic import (
 )
 
 from rlnode.messages.base import Envelope, StrictModel
-from rlnode.messages.config import ModelSpec, SamplingSpec, TaskAppSpec
+from rlnode.messages.config import LoraSpec, ModelSpec, SamplingSpec, TaskAppSpec
 
 # "train": a rollout of a training batch; "eval": of a held-out evaluation round, run with
 # the Task App's mode "eval" and never trained on.
@@ -51,6 +51,11 @@ class RolloutWork(Envelope):
     task_app: TaskAppSpec
     sampling: SamplingSpec
     mode: RolloutMode = "train"
+    lora: LoraSpec | None = Field(
+        None,
+        description="The job trains LoRA adapters: its weight versions are adapters, and a vLLM "
+        "engine for it starts with adapter support of this rank.",
+    )
 
     @model_validator(mode="after")
     def _index_in_group(self) -> RolloutWork:

@@ -10,6 +10,7 @@ from urllib.parse import unquote, urlparse
 from pydantic import Field, NonNegativeInt, model_validator
 
 from rlnode.messages.base import Envelope, StrictModel
+from rlnode.messages.config import LoraSpec
 
 
 class ParityProbe(StrictModel):
@@ -45,6 +46,11 @@ class WeightVersion(Envelope):
     size_bytes: NonNegativeInt
     dtype: Literal["float32", "bfloat16", "float16"]
     probe: ParityProbe
+    adapter: LoraSpec | None = Field(
+        None,
+        description="The file holds LoRA adapters (PEFT's tensor names) for the job's base "
+        "model, not whole weights: engines load them as adapters (or merged into the base).",
+    )
 
     @property
     def path(self) -> Path:

@@ -64,6 +64,14 @@ class CheckpointClient(ApiClient):
         to.write_bytes(self._send("GET", f"/v1/checkpoints/{job_id}/{step}/files/{name}").content)
         return to
 
+    def download_merged(self, model: str, to: Path) -> Path:
+        """A LoRA checkpoint's whole weights (base + adapters merged) as one safetensors file;
+        its config and tokenizer are the base model's."""
+        job_id, _, step = model.rpartition("@")
+        response = self._send("GET", f"/v1/checkpoints/{job_id}/{step}/merged/model.safetensors")
+        to.write_bytes(response.content)
+        return to
+
     def chat(self, model: str, messages: list[dict[str, Any]] | str, **sampling: Any) -> dict:
         """One chat completion (the whole OpenAI response)."""
         if isinstance(messages, str):

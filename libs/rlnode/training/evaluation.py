@@ -66,6 +66,7 @@ def eval_work(
             task_app=config.task_app,
             sampling=sampling,
             mode="eval",
+            lora=config.training.lora,
         )
         work.extend(group.split(samples_per_work))
     return work

@@ -1,4 +1,5 @@
-"""Group-relative advantages and the clipped policy-gradient objective (GRPO family).
+"""Group-relative advantages and the samples a training step is made of (the losses that
+turn them into gradients are in rlnode.training.losses).
 
 A sample is one row of training: a prompt and the completion tokens after it, the behaviour
 policy's logprobs of the completion (recorded by the generator), optionally the reference
@@ -13,8 +14,6 @@ from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import pairwise
-
-import torch
 
 from rlnode.messages import Trajectory
 
@@ -36,6 +35,17 @@ class Sample:
     def tokens(self) -> int:
         """The row's length: prompt and completion tokens."""
         return len(self.prompt_ids) + len(self.completion_ids)
+
+
+def model_turns(sample: Sample) -> int:
+    """How many inference calls the sample's trained tokens came from: 1, or each run of
+    model tokens in a merged multi-turn sample."""
+    if sample.loss_mask is None:
+        return 1
+    runs = sum(
+        1 for i, m in enumerate(sample.loss_mask) if m and (i == 0 or not sample.loss_mask[i - 1])
+    )
+    return max(1, runs)
 
 
 def trained_tokens(sample: Sample) -> int:
@@ -168,38 +178,3 @@ def merge_turns(trajectory: Trajectory, advantage: float) -> list[Sample] | None
             loss_mask=None if all(mask) else mask,
         )
     ]
-
-
-def clipped_objective(
-    logprobs: torch.Tensor,
-    behaviour_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    mask: torch.Tensor,
-    clip_eps: float,
-    ref_logprobs: torch.Tensor | None = None,
-    kl_coef: float = 0.0,
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Per-token PPO-clip loss with the importance ratio π/μ (which covers both off-policy
-    staleness and engine/trainer numerical mismatch), plus `kl_coef` x the k3 estimator of
-    KL(π‖π_ref). Returns the *sum* over masked tokens (the caller divides by the token
-    count of the whole batch, so micro-batching and data parallelism do not change it) and
-    sums of the metrics."""
-    log_ratio = (logprobs - behaviour_logprobs) * mask
-    ratio = torch.exp(log_ratio)
-    unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, 1.0 - clip_eps, 1.0 + clip_eps) * advantages
-    per_token = -torch.minimum(unclipped, clipped)
-    metrics = {
-        "clipped_tokens": (((ratio < 1.0 - clip_eps) | (ratio > 1.0 + clip_eps)).float() * mask)
-        .sum()
-        .detach(),
-        "ratio_sum": (ratio * mask).sum().detach(),
-    }
-    if ref_logprobs is not None:
-        # k3 = exp(ref - π) - (ref - π) - 1 ≥ 0, an unbiased low-variance KL estimator.
-        delta = (ref_logprobs - logprobs) * mask
-        k3 = torch.exp(delta) - delta - 1.0
-        metrics["kl_sum"] = (k3 * mask).sum().detach()
-        if kl_coef > 0:
-            per_token = per_token + kl_coef * k3
-    return (per_token * mask).sum(), metrics

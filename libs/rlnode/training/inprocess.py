@@ -107,7 +107,9 @@ class InProcessGenerator:
                 task.add_done_callback(self._tasks.discard)
 
     async def on_weights(self, version: WeightVersion) -> None:
-        await self.engine.load_weights(version.path, version.version, version.blake3)
+        await self.engine.load_weights(
+            version.path, version.version, version.blake3, adapter=version.adapter
+        )
         async with self._loaded:
             self.loaded_version = max(self.loaded_version, version.version)
             self._loaded.notify_all()

@@ -53,7 +53,9 @@ from rlnode.training.evaluation import (
     recorded_rounds,
     summarise,
 )
-from rlnode.training.grpo import group_advantages, sample_batch
+from rlnode.training.grpo import TIED, group_advantages, sample_batch
+from rlnode.training.losses import loss_class
+from rlnode.training.losses.dapo import overlong_shaped
 from rlnode.training.model_source import with_imported_model
 from rlnode.training.storage import (
     StoreWriteFailed,
@@ -74,6 +76,20 @@ class JobCancelled(Exception):
 
 class JobFailed(Exception):
     pass
+
+
+def prompt_index(trajectory: Trajectory) -> int:
+    """The prompt of a training trajectory within its step (group ids are "step/prompt")."""
+    return int(trajectory.group_id.rpartition("/")[2])
+
+
+def differing_groups(trajectories: list[Trajectory]) -> dict[str, None]:
+    """The groups (in order of first appearance) whose ok rewards are not all equal."""
+    rewards: dict[str, list[float]] = defaultdict(list)
+    for x in trajectories:
+        if x.status == "ok" and x.reward is not None:
+            rewards[x.group_id].append(x.reward)
+    return {g: None for g, r in rewards.items() if len(r) > 1 and max(r) - min(r) > TIED}
 
 
 def work_id(job_id: str, step: int, prompt: int, sample: int) -> uuid.UUID:
@@ -209,7 +225,19 @@ class JobRunner:
         if t.steps == 0:
             await self._evaluate_only()
             return
-        self.trainer = await self._on_trainer_thread(
+        try:
+            self.trainer = await self._start_trainer()
+        except ValueError as e:  # the config does not fit the model (e.g. LoRA targets)
+            raise JobFailed(f"the model cannot be trained as configured: {e}") from None
+        try:
+            await self._run()
+        finally:
+            await self._on_trainer_thread(self.trainer.close)
+            self._trainer_thread.shutdown(wait=False)
+
+    async def _start_trainer(self) -> DataParallelTrainer:
+        t = self.config.training
+        return await self._on_trainer_thread(
             DataParallelTrainer,
             self.config.model.source,
             TrainerConfig.for_job(self.config),
@@ -220,11 +248,6 @@ class JobRunner:
             if self.config.topology.reference == "dedicated"
             else None,
         )
-        try:
-            await self._run()
-        finally:
-            await self._on_trainer_thread(self.trainer.close)
-            self._trainer_thread.shutdown(wait=False)
 
     async def _on_trainer_thread(self, function: Callable[..., T], *args: Any, **kw: Any) -> T:
         loop = asyncio.get_running_loop()
@@ -255,6 +278,11 @@ class JobRunner:
                 trajectories = await self._gather(self.step)
             except JobCancelled:
                 await self._stop_for_cancel()
+            try:
+                trajectories = await self._refill(self.step, trajectories)
+            except JobCancelled:
+                await self._stop_for_cancel()
+            self.buffer.pop(self.step, None)
             wait_s = time.perf_counter() - waited_from
             await self._train(self.step, trajectories, wait_s)
             await self._pause_while_failing(trajectories)
@@ -357,11 +385,19 @@ class JobRunner:
     async def _issue(self, step: int) -> None:
         if step <= self.issued:
             return
-        t, seeds = self.config.training, self.config.seeds
+        t = self.config.training
+        prompts = [
+            (prompt, self.config.seed_of(step * t.prompts_per_step + prompt))
+            for prompt in range(t.prompts_per_step)
+        ]
+        await self.transport.publish_work(self._work(step, prompts))
+        self.issued = step
+
+    def _work(self, step: int, prompts: list[tuple[int, int]]) -> list[RolloutWork]:
+        """The rollout work of groups (prompt index, seed) of a step."""
+        t = self.config.training
         work: list[RolloutWork] = []
-        for prompt in range(t.prompts_per_step):
-            index = step * t.prompts_per_step + prompt
-            seed = seeds.start + (index % seeds.count if seeds.count else index)
+        for prompt, seed in prompts:
             group = RolloutWork(
                 job_id=self.job_id,
                 org_id=self.org_id,
@@ -375,21 +411,77 @@ class JobRunner:
                 model=self.config.model,
                 task_app=self.config.task_app,
                 sampling=self.config.sampling,
+                lora=t.lora,
             )
             work.extend(group.split(self.samples_per_work))
-        await self.transport.publish_work(work)
-        self.issued = step
+        return work
 
-    async def _gather(self, step: int) -> list[Trajectory]:
+    async def _refill(self, step: int, trajectories: list[Trajectory]) -> list[Trajectory]:
+        """DAPO's dynamic sampling: while fewer than prompts_per_step groups of the step have
+        rewards that differ, sample that many more prompts (new seeds, a round at a time, at
+        most `max_refills` rounds). Returns the step's trajectories: the first
+        prompts_per_step groups that differ, then the tied ones (trained on by nobody, but
+        counted in the step's events)."""
+        t = self.config.training
+        dapo = t.dapo_options
+        if dapo is None or not dapo.dynamic_sampling:
+            return trajectories
+        per_round = t.prompts_per_step
+        for round_ in range(1, dapo.max_refills + 1):
+            missing = per_round - len(differing_groups(trajectories))
+            if missing <= 0:
+                break
+            prompts = [
+                (
+                    round_ * per_round + p,
+                    self.config.seed_of(self.config.refill_seed_index(step, round_, p)),
+                )
+                for p in range(missing)
+            ]
+            groups = {f"{step}/{prompt}" for prompt, _ in prompts}
+            await self.transport.publish_work(self._work(step, prompts))
+            trajectories = trajectories + await self._wait_for_groups(
+                step, groups, missing * t.group_size, f"step {step}'s refill round {round_}"
+            )
+        differing = differing_groups(trajectories)
+        kept = set(list(differing)[:per_round])
+        return [x for x in trajectories if x.group_id in kept] + [
+            x for x in trajectories if x.group_id not in differing
+        ]
+
+    async def _wait_for_groups(
+        self, step: int, groups: set[str], expected: int, what: str
+    ) -> list[Trajectory]:
+        def arrived() -> list[Trajectory]:
+            return [x for x in self.buffer[step].values() if x.group_id in groups]
+
         await self._wait_until(
-            lambda: len(self.buffer[step]) >= self.per_step,
+            lambda: len(arrived()) >= expected,
             time.monotonic() + self.step_timeout_s,
             lambda: (
-                f"step {step} got {len(self.buffer[step])} of {self.per_step} trajectories in "
+                f"{what} got {len(arrived())} of {expected} trajectories in "
                 f"{self.step_timeout_s:g}s: are rollout-generators running and healthy?"
             ),
         )
-        return list(self.buffer.pop(step).values())
+        return arrived()
+
+    async def _gather(self, step: int) -> list[Trajectory]:
+        """The step's own groups (a DAPO refill's, which a restart may deliver early, stay
+        in the buffer for `_refill`)."""
+        per_step = self.config.training.prompts_per_step
+
+        def own() -> list[Trajectory]:
+            return [x for x in self.buffer[step].values() if prompt_index(x) < per_step]
+
+        await self._wait_until(
+            lambda: len(own()) >= self.per_step,
+            time.monotonic() + self.step_timeout_s,
+            lambda: (
+                f"step {step} got {len(own())} of {self.per_step} trajectories in "
+                f"{self.step_timeout_s:g}s: are rollout-generators running and healthy?"
+            ),
+        )
+        return own()
 
     async def _wait_until(
         self, done: Callable[[], bool], deadline: float, timed_out: Callable[[], str]
@@ -429,7 +521,9 @@ class JobRunner:
                 failures=sorted({t.failure.kind for t in trajectories if t.failure}),
             ),
         )
-        advantages = group_advantages(ok)
+        advantages = group_advantages(
+            self._shaped(ok), scale_by_std=loss_class(self.config.training.algorithm).scale_by_std
+        )
         batch = sample_batch(ok, advantages)
         staleness = [self.version - s.policy_version for s in batch.samples]
         samples = [s for s in batch.samples if s.advantage != 0.0]
@@ -438,8 +532,9 @@ class JobRunner:
         if len(samples) >= self.trainer.world:
             metrics = await self._on_trainer_thread(self.trainer.step, samples)
             loss, kl, clip, tokens = metrics.loss, metrics.kl, metrics.clip_fraction, metrics.tokens
+            mismatch_kl = metrics.mismatch_kl
         else:  # every group tied: nothing to learn from this batch, but the step counts
-            loss, kl, clip, tokens = 0.0, None, 0.0, 0
+            loss, kl, clip, tokens, mismatch_kl = 0.0, None, 0.0, 0, None
         compute_s = time.perf_counter() - started
         self.trained.update(str(t.work_id) for t in trajectories)
         self.step = step + 1
@@ -468,8 +563,28 @@ class JobRunner:
                 failed_rollouts=len(trajectories) - len(ok),
                 merged_trajectories=batch.merged_trajectories,
                 per_turn_trajectories=batch.per_turn_trajectories,
+                mismatch_kl=mismatch_kl,
             ),
         )
+
+    def _shaped(self, trajectories: list[Trajectory]) -> list[Trajectory]:
+        """The trajectories with the rewards advantages are computed from: DAPO's overlong
+        penalty on the longest completion of each (the events report the Task App's)."""
+        dapo = self.config.training.dapo_options
+        if dapo is None or dapo.overlong_buffer == 0:
+            return trajectories
+        max_tokens = self.config.sampling.max_tokens
+        shaped = []
+        for x in trajectories:
+            if x.reward is None:
+                shaped.append(x)
+                continue
+            longest = max((len(turn.completion_ids) for turn in x.turns), default=0)
+            reward = overlong_shaped(
+                x.reward, longest, max_tokens, dapo.overlong_buffer, dapo.overlong_penalty
+            )
+            shaped.append(x.model_copy(update={"reward": reward}))
+        return shaped
 
     # -- weights and checkpoints ------------------------------------------------------------
 
@@ -488,7 +603,7 @@ class JobRunner:
         if self.weights_root is None:
             return self.root / "weights"
         assert self.trainer is not None
-        size = self.trainer.model.num_parameters() * WEIGHT_DTYPES[self.weights_dtype].itemsize
+        size = self.trainer.published_parameters() * WEIGHT_DTYPES[self.weights_dtype].itemsize
         if free_bytes(self.weights_root) > 2 * self._kept() * size:
             return job_dir(self.weights_root, self.org_id, self.job_id)
         return self.root / "weights"
@@ -529,6 +644,7 @@ class JobRunner:
                 size_bytes=size,
                 dtype=self.weights_dtype,
                 probe=probe,
+                adapter=self.config.training.lora,
             )
         )
         self.version = version

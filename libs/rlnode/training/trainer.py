@@ -33,10 +33,13 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from rlnode.messages import JobConfig, SamplingSpec, TrainingSpec
+from rlnode.messages.config import LoraSpec
 from rlnode.models import TIED_INPUT, TIED_OUTPUT
 from rlnode.models.hf import load_causal_lm, load_tokenizer
+from rlnode.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX, peft_config, saved_in_full
 from rlnode.models.safetensors_io import TensorSpec, write_safetensors
-from rlnode.training.grpo import Sample, clipped_objective
+from rlnode.training.grpo import Sample, trained_tokens
+from rlnode.training.losses import LossInputs, LossSettings, loss_settings, make_loss
 from rlnode.training.storage import temporary_sibling
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -53,14 +56,15 @@ class TrainerConfig:
     learning_rate: float
     weight_decay: float
     max_grad_norm: float
-    clip_eps: float
-    kl_coef: float
+    algorithm: str  # the policy loss (rlnode.training.losses)
+    loss: LossSettings
     temperature: float  # the sampling temperature: logprobs are of logits / temperature
     tokens_per_micro_batch: int
     minibatches: int  # optimizer steps per training step (see minibatch_parts)
     seed: int
     logit_chunk_tokens: int = 64
     activation_checkpointing: bool = False
+    lora: LoraSpec | None = None  # train adapters on a frozen base (rlnode.models.lora)
 
     @classmethod
     def for_job(cls, config: JobConfig) -> TrainerConfig:
@@ -73,8 +77,8 @@ class TrainerConfig:
             learning_rate=training.learning_rate,
             weight_decay=training.weight_decay,
             max_grad_norm=training.max_grad_norm,
-            clip_eps=training.clip_eps,
-            kl_coef=training.kl_coef,
+            algorithm=training.algorithm,
+            loss=loss_settings(training, sampling),
             # Temperature 0 is greedy sampling, scored at temperature 1 (see rlnode.engine).
             temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
             tokens_per_micro_batch=training.tokens_per_micro_batch,
@@ -82,6 +86,7 @@ class TrainerConfig:
             seed=training.seed,
             logit_chunk_tokens=training.logit_chunk_tokens,
             activation_checkpointing=training.activation_checkpointing,
+            lora=training.lora,
         )
 
 
@@ -95,6 +100,9 @@ class StepMetrics:
     tokens: int
     samples: int
     compute_s: float
+    # k3 of KL(sampler ‖ trainer) over the step's tokens before its first update: the
+    # engines' numerical gap plus the samples' staleness (None: nothing trained).
+    mismatch_kl: float | None = None
 
 
 def _world() -> tuple[int, int]:
@@ -304,6 +312,9 @@ class Trainer:
                 gradient_checkpointing_kwargs={"use_reentrant": False}
             )
         self.model = model.to(device)  # type: ignore[arg-type]  # transformers' stub of the @wraps(Module.to) method wants the model as its first argument
+        # With LoRA, PEFT puts adapters into the model's linear layers in place and freezes
+        # the rest: `self.model` stays the causal LM the logprobs are computed from.
+        self.adapted: Any = _with_adapters(self.model, config.lora) if config.lora else None
         self.model.train()
         self.policy: torch.nn.Module = CompletionLogprobs(self.model, config.logit_chunk_tokens)
         if self.world > 1:
@@ -319,11 +330,12 @@ class Trainer:
         # parameter-sized temporaries (the peak of a step is the optimizer's when logits are
         # chunked; measured in bench/results/trainer_memory.md).
         self.optimizer = torch.optim.AdamW(
-            self.policy.parameters(),
+            [p for p in self.policy.parameters() if p.requires_grad],
             lr=config.learning_rate,
             weight_decay=config.weight_decay,
             fused=True,
         )
+        self.loss = make_loss(config.loss, config.algorithm)
         self.steps = 0
         pad = self.tokenizer.pad_token_id
         self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
@@ -339,14 +351,21 @@ class Trainer:
     def step(self, samples: list[Sample]) -> StepMetrics:
         """One training step on `samples` (every rank passes the same list): `minibatches`
         optimizer steps, each on its part of the samples (the same parts on every rank), or
-        one step on them all. Metrics are token-weighted over the parts."""
+        one step on them all. Metrics are token-weighted over the parts; `mismatch_kl` is
+        the first part's, measured before any update."""
         started = time.perf_counter()
         if not samples:
             raise ValueError("a training step needs at least one sample")
         parts = minibatch_parts(
             samples, self.config.minibatches, self.world, seed=f"{self.config.seed}:{self.steps}"
         )
-        results = [self._optimizer_step(part) for part in parts]
+        # Truncated IS over several optimizer steps needs the policy before the first one.
+        proximal = (
+            self._proximal_logprobs(samples)
+            if self.config.loss.tis_cap is not None and len(parts) > 1
+            else None
+        )
+        results = [self._optimizer_step(part, proximal) for part in parts]
         self.steps += 1
         tokens = sum(r.tokens for r in results)
         kls = [(r.kl, r.tokens) for r in results if r.kl is not None]
@@ -364,25 +383,43 @@ class Trainer:
             tokens=tokens,
             samples=len(samples),
             compute_s=time.perf_counter() - started,
+            mismatch_kl=results[0].mismatch_kl,
         )
 
-    def _optimizer_step(self, samples: list[Sample]) -> StepMetrics:
+    def _proximal_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
+        """The policy's logprobs of every sample's completion before the step (by the
+        sample's id()), for truncated IS across several optimizer steps."""
+        mine = samples[self.rank :: self.world]
+        out: dict[int, list[float]] = {}
+        with torch.no_grad(), self._autocast():
+            for batch in micro_batches(mine, self.config.tokens_per_micro_batch):
+                logprobs, _ = completion_logprobs(
+                    self.policy, batch, self.device, self.config.temperature, self.pad_id
+                )
+                for row, sample in enumerate(batch):
+                    out[id(sample)] = logprobs[row, : len(sample.completion_ids)].float().tolist()
+        return out
+
+    def _optimizer_step(
+        self, samples: list[Sample], proximal: dict[int, list[float]] | None = None
+    ) -> StepMetrics:
         """One optimizer step on `samples` (every rank passes the same list; each trains on
-        its share). The loss is the token-mean over the whole batch, whatever the split."""
+        its share). The loss is the algorithm's sum over the whole batch divided by its
+        normaliser (rlnode.training.losses), whatever the split."""
         started = time.perf_counter()
         mine = samples[self.rank :: self.world]
         if not mine:
             raise ValueError("every rank needs at least one sample; give at least `world` samples")
-        my_tokens = sum(len(s.completion_ids) for s in mine)
+        trained = [trained_tokens(s) for s in samples]
+        total_tokens = float(sum(trained))
+        normaliser = self.loss.normaliser(samples)
         batches = micro_batches(mine, self.config.tokens_per_micro_batch)
-        total_tokens, most_batches = _all_reduce(
-            [float(my_tokens), float(len(batches))], self.device, ("sum", "max")
-        )
+        (most_batches,) = _all_reduce([float(len(batches))], self.device, ("max",))
         if self.world > 1:
             batches = equal_micro_batches(
                 mine, self.config.tokens_per_micro_batch, int(most_batches)
             )
-        sums = {"loss": 0.0, "clipped_tokens": 0.0, "ratio_sum": 0.0, "kl_sum": 0.0, "kl_rows": 0.0}
+        sums = dict.fromkeys(("loss", "clipped", "ratio", "kl", "kl_tokens", "mismatch"), 0.0)
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             weight = 1.0
@@ -393,50 +430,50 @@ class Trainer:
                     self.policy, batch, self.device, self.config.temperature, self.pad_id
                 )
                 width = logprobs.shape[1]
-                behaviour = _padded([s.behaviour_logprobs for s in batch], width, self.device)
-                advantages = torch.tensor(
-                    [s.advantage for s in batch], device=self.device
-                ).unsqueeze(-1)
-                reference = self._reference_logprobs(batch, width)
-                loss_sum, metrics = clipped_objective(
-                    logprobs,
-                    behaviour,
-                    advantages,
-                    mask * weight,
-                    self.config.clip_eps,
-                    reference,
-                    self.config.kl_coef,
+                mask = mask * weight
+                terms = self.loss(
+                    LossInputs(
+                        logprobs=logprobs,
+                        behaviour=_padded(
+                            [s.behaviour_logprobs for s in batch], width, self.device
+                        ),
+                        advantages=torch.tensor(
+                            [s.advantage for s in batch], device=self.device
+                        ).unsqueeze(-1),
+                        mask=mask,
+                        reference=self._reference_logprobs(batch, width),
+                        proximal=_padded([proximal[id(s)] for s in batch], width, self.device)
+                        if proximal is not None
+                        else None,
+                    )
                 )
                 # Gradients are averaged over ranks; x world turns that back into a global sum.
-                (loss_sum * self.world / total_tokens).backward()
-            sums["loss"] += float(loss_sum.detach())
-            sums["clipped_tokens"] += float(metrics["clipped_tokens"])
-            sums["ratio_sum"] += float(metrics["ratio_sum"])
-            if "kl_sum" in metrics:
-                sums["kl_sum"] += float(metrics["kl_sum"])
-                sums["kl_rows"] += float((mask * weight).sum())
+                (terms.total * self.world / normaliser).backward()
+            sums["loss"] += float(terms.total.detach())
+            sums["clipped"] += float(terms.clipped_tokens)
+            sums["ratio"] += float(terms.ratio_sum)
+            if terms.mismatch_kl_sum is not None:
+                sums["mismatch"] += float(terms.mismatch_kl_sum)
+            if terms.kl_sum is not None:
+                sums["kl"] += float(terms.kl_sum)
+                sums["kl_tokens"] += float(mask.sum())
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
-        loss, clipped, ratio, kl_sum, kl_rows = _all_reduce(
-            [
-                sums["loss"],
-                sums["clipped_tokens"],
-                sums["ratio_sum"],
-                sums["kl_sum"],
-                sums["kl_rows"],
-            ],
+        loss, clipped, ratio, kl_sum, kl_tokens, mismatch = _all_reduce(
+            [sums[k] for k in ("loss", "clipped", "ratio", "kl", "kl_tokens", "mismatch")],
             self.device,
         )
         return StepMetrics(
-            loss=loss / total_tokens,
-            kl=(kl_sum / kl_rows) if kl_rows else None,
-            clip_fraction=clipped / total_tokens,
-            ratio_mean=ratio / total_tokens,
+            loss=loss / normaliser,
+            kl=(kl_sum / kl_tokens) if kl_tokens else None,
+            clip_fraction=clipped / total_tokens if total_tokens else 0.0,
+            ratio_mean=ratio / total_tokens if total_tokens else 0.0,
             grad_norm=grad_norm,
             tokens=int(total_tokens),
             samples=len(samples),
             compute_s=time.perf_counter() - started,
+            mismatch_kl=mismatch / total_tokens if total_tokens else None,
         )
 
     def _reference_logprobs(self, batch: list[Sample], width: int) -> torch.Tensor | None:
@@ -492,11 +529,26 @@ class Trainer:
                 torch.set_num_threads(threads)
 
     def full_tensors(self, dtype: torch.dtype | None = None) -> Iterator[TensorSpec]:
-        """The model's tensors in Hugging Face names, each gathered from the ranks (and cast
-        to `dtype`) only when it is produced: at most one whole tensor at a time."""
-        for name, tensor in self.model.state_dict().items():
+        """The model's tensors in Hugging Face names (with LoRA: the adapters' alone, in
+        PEFT's names), each gathered from the ranks (and cast to `dtype`) only when it is
+        produced: at most one whole tensor at a time."""
+        for name, tensor in self._published_state().items():
             local: Any = tensor.detach()
             yield TensorSpec(name, tuple(local.shape), dtype or local.dtype, _gatherer(local))
+
+    def _published_state(self) -> dict[str, Any]:
+        if self.adapted is None:
+            return dict(self.model.state_dict())
+        from peft import get_peft_model_state_dict
+
+        state = dict(get_peft_model_state_dict(self.adapted))
+        # Modules trained in full travel beside the adapters, as PEFT saves modules_to_save.
+        state.update((PREFIX + name, p) for name, p in _saved_in_full(self.model, self.config))
+        return state
+
+    def published_parameters(self) -> int:
+        """Parameters in a weight version: the model's, or the adapters' with LoRA."""
+        return sum(int(t.numel()) for t in self._published_state().values())
 
     def save_weights(self, path: Path, dtype: str = "float32") -> tuple[str, int]:
         """Write the weights in `dtype` (the engines'), streamed and hashed in one pass;
@@ -519,7 +571,13 @@ class Trainer:
         )
 
         options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        model_state = get_model_state_dict(self.model, options=options)
+        model_state: dict[str, Any]
+        if self.adapted is not None:  # the adapters alone; the config names the base
+            model_state = {
+                name: _gatherer(t)().cpu() for name, t in self._published_state().items()
+            }
+        else:
+            model_state = dict(get_model_state_dict(self.model, options=options))
         optimizer_state = get_optimizer_state_dict(self.policy, self.optimizer, options=options)
         if self.rank != 0:
             return directory
@@ -528,14 +586,29 @@ class Trainer:
             shutil.rmtree(temporary)
         temporary.mkdir(parents=True)
         try:
-            self.model.save_pretrained(temporary, state_dict=model_state, safe_serialization=True)
+            if self.adapted is not None:
+                from safetensors.torch import save_file
+
+                assert self.config.lora is not None
+                save_file(model_state, str(temporary / ADAPTER_WEIGHTS))
+                (temporary / ADAPTER_CONFIG).write_text(
+                    json.dumps(peft_config(self.config.lora, self.model_path), indent=2) + "\n"
+                )
+            else:
+                self.model.save_pretrained(
+                    temporary, state_dict=model_state, safe_serialization=True
+                )
             self.tokenizer.save_pretrained(temporary)
             # Through a Python file, so that a full disk surfaces as the OSError behind
             # torch's RuntimeError (a path is written by C++, which only says "unexpected pos").
             with open(temporary / "optimizer.pt", "wb") as out:
                 torch.save(optimizer_state, out)
             (temporary / "trainer_state.json").write_text(
-                json.dumps({"steps": self.steps, "config": asdict(self.config), **state}, indent=2)
+                json.dumps(
+                    {"steps": self.steps, "config": asdict(self.config), **state},
+                    indent=2,
+                    default=_jsonable,
+                )
                 + "\n"
             )
             for file in temporary.iterdir():
@@ -563,15 +636,26 @@ class Trainer:
         options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=sharded)
         model_state: dict[str, Any] = {}
         optimizer_state: dict[str, Any] = {}
-        if self.rank == 0 or not sharded:
+        if self.adapted is not None:
+            from peft import set_peft_model_state_dict
+
+            adapter = load_file(str(directory / ADAPTER_WEIGHTS))
+            full = saved_in_full(adapter)
+            set_peft_model_state_dict(
+                self.adapted, {k: v for k, v in adapter.items() if k not in full}
+            )
+            self.model.load_state_dict({full[k]: adapter[k] for k in full}, strict=False)
+        elif self.rank == 0 or not sharded:
             for file in sorted(directory.glob("*.safetensors")):
                 model_state.update(load_file(str(file)))
             if TIED_OUTPUT not in model_state and self.model.config.tie_word_embeddings:
                 model_state[TIED_OUTPUT] = model_state[TIED_INPUT]
+        if self.rank == 0 or not sharded:
             optimizer_state = torch.load(
                 directory / "optimizer.pt", map_location="cpu", weights_only=True
             )
-        set_model_state_dict(self.model, model_state, options=options)
+        if self.adapted is None:
+            set_model_state_dict(self.model, model_state, options=options)
         set_optimizer_state_dict(self.policy, self.optimizer, optimizer_state, options=options)
         state = json.loads((directory / "trainer_state.json").read_text())
         self.steps = state["steps"]
@@ -593,6 +677,61 @@ def _shard(policy: torch.nn.Module, device: str) -> torch.nn.Module:
         fully_shard(layer, mp_policy=precision)
     fully_shard(policy, mp_policy=precision)
     return policy
+
+
+def _with_adapters(model: Any, lora: LoraSpec) -> Any:
+    """PEFT's LoRA layers in `model`'s target modules (in place); the base frozen."""
+    from peft import LoraConfig, get_peft_model
+
+    present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+    missing = sorted(set(lora.target_modules) - present)
+    if missing:
+        raise ValueError(
+            f"training.lora.target_modules {missing} are not modules of this model; its "
+            f"linear layers include {sorted(n for n in present if n.endswith('proj'))[:12]}"
+        )
+    adapted = get_peft_model(
+        model,
+        LoraConfig(
+            r=lora.rank,
+            lora_alpha=lora.alpha,
+            lora_dropout=lora.dropout,
+            target_modules=list(lora.target_modules),
+            bias="none",
+        ),
+    )
+    # modules_to_save: the base module itself trained (not PEFT's copy of it, which would
+    # untie a tied output layer from its embedding and leave the engines' merge different).
+    trained = {name.rsplit(".", 2)[-2] for name, _ in _saved_in_full(model, lora)}
+    untrained = sorted(set(lora.modules_to_save) - trained)
+    if untrained:
+        raise ValueError(
+            f"training.lora.modules_to_save {untrained} name no parameters of their own in "
+            "this model (an output layer tied to the embedding trains as embed_tokens)"
+        )
+    for _name, parameter in _saved_in_full(model, lora):
+        parameter.requires_grad_(True)
+    return adapted
+
+
+def _saved_in_full(model: Any, lora: Any) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters of the LoRA job's modules_to_save, by base model name (a parameter
+    shared by tied modules once)."""
+    spec = lora.lora if isinstance(lora, TrainerConfig) else lora
+    if spec is None or not spec.modules_to_save:
+        return []
+    wanted = set(spec.modules_to_save)
+    return [
+        (name, p)
+        for name, p in model.named_parameters()
+        if ".lora_" not in name and name.rsplit(".", 2)[-2] in wanted
+    ]
+
+
+def _jsonable(value: Any) -> Any:
+    if hasattr(value, "model_dump"):
+        return value.model_dump()
+    raise TypeError(f"{type(value).__name__} is not JSON serialisable")
 
 
 def _gatherer(tensor: Any) -> Callable[[], torch.Tensor]:

@@ -3,6 +3,8 @@ metrics, checkpoints and checkpoint files. Another org's job is a 404, as if abs
 
 from __future__ import annotations
 
+import asyncio
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -14,7 +16,12 @@ from sqlmodel import Session, col, select
 from rlnode.service.auth import Scope, TokenClaims
 from rlnode_services.checkpoint_server.access import Caller, need, org_of
 from rlnode_services.checkpoint_server.index import local_path, metrics_path
-from rlnode_services.checkpoint_server.models import Checkpoints, ModelProblem
+from rlnode_services.checkpoint_server.models import (
+    Checkpoints,
+    ModelProblem,
+    adapter_of,
+    merge_checkpoint,
+)
 from rlnode_services.checkpoint_server.store import CheckpointRecord, JobSummary
 
 
@@ -32,7 +39,11 @@ def job_summary(db: Engine, claims: TokenClaims, job_id: str) -> JobSummary:
     return row
 
 
-def listing_routes(db: Engine, root: Path, checkpoints: Checkpoints) -> APIRouter:
+def listing_routes(
+    db: Engine, root: Path, checkpoints: Checkpoints, merged_dir: Path | None = None
+) -> APIRouter:
+    # LoRA checkpoints merged for download, written once each (the store is the learner's).
+    merged_dir = merged_dir or Path(tempfile.gettempdir()) / "rlnode-merged-checkpoints"
     router = APIRouter()
 
     @router.get("/v1/checkpoints", tags=["checkpoints"])
@@ -77,6 +88,22 @@ def listing_routes(db: Engine, root: Path, checkpoints: Checkpoints) -> APIRoute
                 "not_found_error",
             )
         return FileResponse(files[name], filename=name)
+
+    @router.get("/v1/checkpoints/{job_id}/{step}/merged/model.safetensors", tags=["checkpoints"])
+    async def download_merged(claims: Caller, job_id: str, step: str) -> FileResponse:
+        """A LoRA checkpoint's whole weights, base + adapters merged (its config.json and
+        tokenizer are the base's)."""
+        need(claims, Scope.JOBS_READ)
+        record, path = checkpoints.resolve(org_of(claims), f"{job_id}@{step}")
+        if adapter_of(path, record.model) is None:
+            raise ModelProblem(
+                400,
+                f"checkpoint {record.model} holds whole weights, not LoRA adapters: download "
+                f"its files (GET /v1/checkpoints/{job_id}/{step}/files)",
+            )
+        out = merged_dir / record.org_id / record.job_id / f"step-{record.step:06d}"
+        merged = await asyncio.to_thread(merge_checkpoint, path, out)
+        return FileResponse(merged, filename="model.safetensors")
 
     @router.get("/v1/models", tags=["inference"])
     async def models(claims: Caller) -> dict[str, Any]:

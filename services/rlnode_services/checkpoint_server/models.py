@@ -14,6 +14,14 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from rlnode.engine.torch_engine import TorchEngine
+from rlnode.messages.config import LoraSpec
+from rlnode.models.lora import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    AdapterError,
+    merged_weights,
+    read_spec,
+)
 from rlnode_services.checkpoint_server.index import local_path
 from rlnode_services.checkpoint_server.settings import CheckpointServerSettings
 from rlnode_services.checkpoint_server.store import CheckpointRecord, EvalRecord
@@ -85,7 +93,9 @@ class Checkpoints:
                 )
             record = found
         path = local_path(record.uri, self.root, record.org_id, record.job_id)
-        if path is None or not (path / "config.json").exists():
+        if path is None or not (
+            (path / "config.json").exists() or (path / ADAPTER_CONFIG).exists()
+        ):
             raise ModelProblem(
                 410,
                 f"checkpoint {record.model} is indexed but its files are gone from the "
@@ -123,6 +133,49 @@ class Checkpoints:
             )
         best = max(rounds, key=lambda e: (e.reward_mean, e.step))
         return steps[best.step]
+
+
+def adapter_of(path: Path, name: str) -> tuple[LoraSpec, Path] | None:
+    """A LoRA checkpoint's adapter spec and base model directory (None: whole weights). The
+    base is the job's model.source, which the learner checked when it took the job."""
+    if not (path / ADAPTER_CONFIG).is_file():
+        return None
+    try:
+        spec, base = read_spec(path)
+    except AdapterError as e:
+        raise ModelProblem(500, f"checkpoint {name}: {e}", "server_error") from None
+    if not (Path(base) / "config.json").is_file():
+        raise ModelProblem(
+            410,
+            f"checkpoint {name} holds LoRA adapters for the base model at {base}, which is no "
+            "longer there; its adapter files can still be downloaded",
+            "not_found_error",
+        )
+    return spec, Path(base)
+
+
+def merge_checkpoint(path: Path, out: Path) -> Path:
+    """The whole weights of a LoRA checkpoint (base + alpha/rank x B A), as one
+    model.safetensors in `out` (written once, under a temporary name)."""
+    from safetensors.torch import load_file, save_file
+
+    target = out / "model.safetensors"
+    if target.is_file():
+        return target
+    adapter = adapter_of(path, path.name)
+    assert adapter is not None, "merge_checkpoint is for LoRA checkpoints"
+    spec, base = adapter
+    state: dict = {}
+    for file in sorted(base.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    state.update(merged_weights(state, load_file(str(path / ADAPTER_WEIGHTS)), spec))
+    out.mkdir(parents=True, exist_ok=True)
+    partial = out / "model.safetensors.partial"
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, str(partial), metadata={"format": "pt"}
+    )
+    partial.replace(target)
+    return target
 
 
 def _size_of(engine: TorchEngine) -> int:
@@ -167,14 +220,18 @@ class ModelCache:
                 self._loading.pop(key, None)
 
     async def _load(self, key: str, path: Path) -> TorchEngine:
+        adapter = adapter_of(path, key)
         try:
+            # A LoRA checkpoint is served as its base with the adapters merged in.
             engine = await asyncio.to_thread(
                 TorchEngine,
-                path,
+                adapter[1] if adapter else path,
                 device=self.settings.device,
                 dtype=self.settings.dtype,
                 max_batch_size=self.settings.max_batch_size,
             )
+            if adapter is not None:
+                await engine.load_weights(path / ADAPTER_WEIGHTS, 0, adapter=adapter[0])
         except Exception as e:
             raise ModelProblem(
                 500, f"checkpoint {key} could not be loaded: {e}", "server_error"

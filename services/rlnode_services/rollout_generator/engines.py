@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from rlnode.engine import Engine, EngineError, create_engine
 from rlnode.messages import ModelSpec, WeightVersion
+from rlnode.messages.config import LoraSpec
 from rlnode.service.stores import path_in_job_store
 from rlnode_services.rollout_generator.settings import GeneratorSettings
 
@@ -37,7 +38,9 @@ class EnginePool:
         self._creating = asyncio.Lock()
         self.latest: dict[str, WeightVersion] = {}  # newest version seen per job, loaded or not
 
-    def _create(self, model: ModelSpec, reference: bool = False) -> Engine:
+    def _create(
+        self, model: ModelSpec, reference: bool = False, lora: LoraSpec | None = None
+    ) -> Engine:
         settings = self.settings
         options: dict[str, str | int | float] = {"device": settings.device, "dtype": settings.dtype}
         if settings.engine == "torch":
@@ -57,16 +60,20 @@ class EnginePool:
             # The job's own bound on a sequence: vLLM otherwise sizes for the model's longest
             # (SmolLM2's 8192 needs 0.35 GiB of KV cache, and the CPU's default is 0.25).
             options["max_model_len"] = settings.max_model_len or model.max_seq_len
+            if lora is not None and not reference:  # the reference is the base, adapterless
+                options["max_lora_rank"] = lora.rank
         return create_engine(settings.engine, model.source, **options)
 
-    async def for_job(self, job_id: str, model: ModelSpec) -> JobEngines:
+    async def for_job(
+        self, job_id: str, model: ModelSpec, lora: LoraSpec | None = None
+    ) -> JobEngines:
         engines = self.jobs.get(job_id)
         if engines is not None:
             return engines
         async with self._creating:
             if job_id not in self.jobs:
                 started = time.perf_counter()
-                policy = await asyncio.to_thread(self._create, model)
+                policy = await asyncio.to_thread(self._create, model, False, lora)
                 reference = (
                     await asyncio.to_thread(self._create, model, True)
                     if self.settings.reference_on_inference
@@ -97,7 +104,9 @@ class EnginePool:
             if not path.is_file():
                 raise WeightsRefused(f"no weights file at {path}")
             try:
-                seconds = await engines.policy.load_weights(path, version.version, version.blake3)
+                seconds = await engines.policy.load_weights(
+                    path, version.version, version.blake3, adapter=version.adapter
+                )
             except EngineError as e:
                 raise WeightsRefused(str(e)) from None
             engines.loaded_version = version.version

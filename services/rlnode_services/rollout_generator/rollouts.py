@@ -194,7 +194,7 @@ class RolloutRunner:
         ]
         try:
             try:
-                engines = await self.pool.for_job(work.job_id, work.model)
+                engines = await self.pool.for_job(work.job_id, work.model, work.lora)
             except (EngineError, OSError, ValueError) as e:
                 # Deterministic: retrying the work item elsewhere would fail the same way.
                 failure = RolloutFailure(
