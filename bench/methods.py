@@ -70,9 +70,10 @@ def main() -> None:
                 job = method_job(model, args, method)
                 try:
                     results[method] = asyncio.run(run_rlnode(node, org, model, args, job))
-                except RuntimeError as e:
-                    results[method] = {"error": str(e)}
+                except Exception as e:  # a method that fails is a row, not a lost run
+                    results[method] = {"error": f"{type(e).__name__}: {e}"}
                     print(f"{method}: {e}", flush=True)
+                    report(results, args)
                     continue
                 r = results[method]
                 print(
@@ -80,7 +81,7 @@ def main() -> None:
                     f"{r['seconds_per_step']:.1f} s/step",
                     flush=True,
                 )
-    report(results, args)
+                report(results, args)  # after each method: what ran is kept
 
 
 def report(results: dict[str, dict], args) -> None:

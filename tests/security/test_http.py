@@ -158,3 +158,24 @@ async def test_job_events_over_http_are_the_callers_orgs_only(attacked: Attacked
     kinds = [e["type"] for e in events]
     assert kinds[0] == "job.accepted" and kinds[-1] == "job.completed", kinds
     assert {e["org_id"] for e in events} == {attacked.victim.org_id}
+
+
+def test_another_orgs_checkpoint_files_and_merged_weights_are_a_404(attacked: AttackedNode) -> None:
+    """The download routes, the merged LoRA weights among them, resolve in the caller's org
+    only: another org's job is as absent as one that never ran."""
+    job = attacked.victim_job
+    with httpx.Client(base_url=attacked.url("checkpoint-server"), timeout=60) as http:
+        for path in (
+            f"/v1/checkpoints/{job}/latest/files",
+            f"/v1/checkpoints/{job}/latest/files/trainer_state.json",
+            f"/v1/checkpoints/{job}/latest/merged/model.safetensors",
+        ):
+            theirs = http.get(path, headers=_bearer(attacked.attacker.token))
+            assert theirs.status_code == 404, (path, theirs.text)
+            assert "no checkpoints of job" in theirs.json()["error"]["message"]
+        # The owner reaches them; the victim's job trained whole weights: nothing to merge.
+        own = http.get(
+            f"/v1/checkpoints/{job}/latest/merged/model.safetensors",
+            headers=_bearer(attacked.victim.token),
+        )
+        assert own.status_code == 400 and "holds whole weights" in own.text

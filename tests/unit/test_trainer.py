@@ -278,3 +278,10 @@ def test_weights_are_published_in_the_engines_dtype(model_dir, tmp_path) -> None
     probe = [1, 4, 44, 30, 31, 40, 83, 100, 16]
     # bf16 rounding of the weights: close to the fp32 trainer, not equal.
     assert engine.score_sync([probe])[0] == pytest.approx(trainer.score(probe), abs=5e-2)
+
+
+def test_lora_over_several_devices_is_refused_before_any_rank_starts(model_dir) -> None:
+    config = TrainerConfig.of(TrainingSpec(lora={"rank": 4}))
+    with pytest.raises(ValueError, match="training_gpus = 1"):
+        DataParallelTrainer(model_dir, config, ["cpu", "cpu"])
+    assert not dist.is_initialized()

@@ -106,6 +106,11 @@ class DataParallelTrainer:
     ) -> None:
         if not devices:
             raise DataParallelError("data parallelism needs at least one device")
+        if config.lora is not None and len(devices) > 1:  # before any rank starts
+            raise ValueError(
+                "LoRA over several training devices is not supported yet (FSDP2 with PEFT's "
+                "adapters is untested here): train on one (topology.training_gpus = 1)"
+            )
         if dist.is_initialized():
             raise DataParallelError(
                 "a process group exists already in this process: one data-parallel job at a time"

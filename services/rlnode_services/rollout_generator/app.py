@@ -61,7 +61,9 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
     weights = WeightSync(settings, pool, bus)
     runner = RolloutRunner(settings, pool, registry, weights)
     prompts = RenderedPrompts()
-    finished = FinishedJobs(bus)
+    # An ended job's engines are closed: each holds a model (and vLLM its KV cache), and a
+    # generator that kept them ran out of memory after a few jobs (bench/methods.py).
+    finished = FinishedJobs(bus, on_end=pool.release)
     work = WorkHandler(bus, runner.run, finished)
     work_subscription = bus.subscribe(
         topics.ROLLOUT_WORK,

@@ -117,6 +117,18 @@ class EnginePool:
             )
             return seconds, diff
 
+    async def release(self, job_id: str) -> None:
+        """Close an ended job's engines (work still queued for it is skipped)."""
+        self.latest.pop(job_id, None)
+        engines = self.jobs.pop(job_id, None)
+        if engines is None:
+            return
+        async with engines.lock:  # not while a weight version loads into them
+            await engines.policy.close()
+            if engines.reference is not None:
+                await engines.reference.close()
+        log.info("released the engines of ended job %s", job_id)
+
     def failures(self) -> dict[str, str]:
         return {
             f"{what} of job {job_id}": why
