@@ -202,11 +202,12 @@ class VLLMEngine:
                 f"the adapter's rank {adapter.rank} is above the engine's max_lora_rank "
                 f"{self._max_lora_rank}"
             )
+        shapes = _safetensors_shapes(path)
         try:
-            check_adapter_fits(_safetensors_shapes(path), self._expected, adapter)
+            check_adapter_fits(shapes, self._expected, adapter)
         except AdapterError as e:
             raise EngineError(f"the adapter does not fit the model: {e}") from None
-        staged, full = await asyncio.to_thread(self._stage_adapter, path, version, adapter)
+        staged, full = await asyncio.to_thread(self._stage_adapter, path, version, adapter, shapes)
         from vllm.lora.request import LoRARequest
 
         request = LoRARequest(f"v{version}", version + 1, str(staged))
@@ -231,18 +232,20 @@ class VLLMEngine:
         await asyncio.to_thread(self._unstage_all_but, staged)
 
     def _stage_adapter(
-        self, path: Path, version: int, adapter: LoraSpec
+        self, path: Path, version: int, adapter: LoraSpec, shapes: dict[str, tuple[int, ...]]
     ) -> tuple[Path, Path | None]:
         """A PEFT directory of the low-rank tensors for vLLM's LoRA loader and, when the
-        adapter saves modules in full, a directory of those (by base names) to reload."""
-        from safetensors.torch import load_file, save_file
-
+        adapter saves modules in full, a directory of those (by base names) to reload.
+        `shapes`: the file's header, already read."""
         staged = self._staging / f"v{version:06d}"
         shutil.rmtree(staged, ignore_errors=True)
+        # From the header: an adapter of low-rank tensors alone is linked, not read.
+        if not saved_in_full(shapes):
+            return write_adapter_dir(staged, path, adapter, self.model_path), None
+        from safetensors.torch import load_file, save_file
+
         tensors = load_file(str(path))
         full = saved_in_full(tensors)
-        if not full:
-            return write_adapter_dir(staged, path, adapter, self.model_path), None
         # vLLM's loader takes low-rank tensors only (modules_to_save only for classifiers).
         low_rank = adapter.model_copy(update={"modules_to_save": []})
         write_adapter_dir(staged, path, low_rank, self.model_path)

@@ -543,7 +543,7 @@ class Trainer:
 
         state = dict(get_peft_model_state_dict(self.adapted))
         # Modules trained in full travel beside the adapters, as PEFT saves modules_to_save.
-        state.update((PREFIX + name, p) for name, p in _saved_in_full(self.model, self.config))
+        state.update((PREFIX + name, p) for name, p in _saved_in_full(self.model, self.config.lora))
         return state
 
     def published_parameters(self) -> int:
@@ -714,13 +714,12 @@ def _with_adapters(model: Any, lora: LoraSpec) -> Any:
     return adapted
 
 
-def _saved_in_full(model: Any, lora: Any) -> list[tuple[str, torch.nn.Parameter]]:
+def _saved_in_full(model: Any, lora: LoraSpec | None) -> list[tuple[str, torch.nn.Parameter]]:
     """The parameters of the LoRA job's modules_to_save, by base model name (a parameter
     shared by tied modules once)."""
-    spec = lora.lora if isinstance(lora, TrainerConfig) else lora
-    if spec is None or not spec.modules_to_save:
+    if lora is None or not lora.modules_to_save:
         return []
-    wanted = set(spec.modules_to_save)
+    wanted = set(lora.modules_to_save)
     return [
         (name, p)
         for name, p in model.named_parameters()
