@@ -126,10 +126,14 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
     assert progress.get("status") == "running" and progress.get("step", STEPS) < STEPS, (
         f"the job is not mid-way before the kill: {progress}"
     )
-    restarts_before = dict(running.restarts)
     killed = task_app_target(org, TASK_APP) if target == "taskapp" else target
-    task_app_pid = chaos.pid_of(running, task_app_target(org, TASK_APP), {org.org_id: org})
-    chaos.kill(running, killed, {org.org_id: org})
+    orgs = {org.org_id: org}
+    # A service that exited on its own (CI once saw the second gateway gone at this point)
+    # is started again by supervision first: the kill must land on a live process.
+    wait_until(lambda: chaos.is_running(running, killed, orgs), 60, f"{killed} runs", supervision)
+    restarts_before = dict(running.restarts)
+    task_app_pid = chaos.pid_of(running, task_app_target(org, TASK_APP), orgs)
+    chaos.kill(running, killed, orgs)
     if target == GATEWAY.name:
         # Its Task App goes with it (the gateway started after it starts another).
         wait_until(lambda: not alive(task_app_pid), 10, "the Task App gone", supervision)

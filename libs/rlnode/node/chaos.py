@@ -67,10 +67,31 @@ def pid_of(node: LocalNode, target: str, orgs: dict[str, Org]) -> int:
     return process.pid
 
 
+def is_running(node: LocalNode, target: str, orgs: dict[str, Org]) -> bool:
+    """Whether `target` runs now: a kill must land on a live process, not on one that died
+    on its own and waits for supervision to start it again."""
+    if target == BROKER:
+        return node.broker is not None and node.broker.running
+    if target.startswith(TASK_APP_PREFIX):
+        try:
+            pid_of(node, target, orgs)
+        except (RuntimeError, httpx.HTTPError):
+            return False
+        return True
+    process = node.processes[target].proc
+    return process is not None and process.poll() is None
+
+
 def kill(node: LocalNode, target: str, orgs: dict[str, Org]) -> int:
     """SIGKILL `target`; its pid."""
     pid = pid_of(node, target, orgs)
-    os.kill(pid, signal.SIGKILL)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        raise RuntimeError(
+            f"{target} (pid {pid}) had already exited before the kill; wait for "
+            "`is_running` first (supervision starts it again)"
+        ) from None
     return pid
 
 
