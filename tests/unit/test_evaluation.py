@@ -4,16 +4,14 @@ the work it issues and what the Task App is told."""
 
 from __future__ import annotations
 
-import uuid
-
 import pytest
 from pydantic import ValidationError
 
 from rlnode.messages import JobConfig, Trajectory
 from rlnode.messages.config import EvalSpec
-from rlnode.messages.rollouts import RolloutFailure, TokenTurn
 from rlnode.taskapp.bridge import rollout_request
 from rlnode.training.evaluation import EvalRound, eval_message, eval_work, summarise
+from tests import factories
 
 
 def job(
@@ -52,25 +50,9 @@ def test_a_config_may_not_evaluate_on_seeds_it_trains_on() -> None:
 
 
 def trajectory(seed: int, reward: float | None, sample: int = 0) -> Trajectory:
-    common = {
-        "job_id": "j",
-        "org_id": "o",
-        "work_id": uuid.uuid4(),
-        "rollout_id": f"r{seed}-{sample}",
-        "generator": "g",
-        "step": 4,
-        "group_id": f"eval/4/{seed}",
-        "seed": seed,
-        "sample_index": sample,
-        "mode": "eval",
-    }
-    if reward is None:
-        failure = RolloutFailure(kind="timeout", message="slow")
-        return Trajectory(**common, status="failed", failure=failure)
-    turn = TokenTurn(
-        prompt_ids=[1], completion_ids=[2], logprobs=[-0.1], policy_version=3, finish_reason="stop"
+    return factories.trajectory(
+        seed=seed, sample=sample, reward=reward, step=4, group_id=f"eval/4/{seed}", mode="eval"
     )
-    return Trajectory(**common, status="ok", reward=reward, turns=[turn])
 
 
 def test_a_round_adds_up_to_mean_reward_pass_at_1_and_pass_at_k() -> None:

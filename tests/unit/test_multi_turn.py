@@ -5,7 +5,6 @@ tokens as a sample per turn; turns that do not fall back to a sample per turn.""
 from __future__ import annotations
 
 import asyncio
-import uuid
 from pathlib import Path
 
 import pytest
@@ -27,6 +26,7 @@ from rlnode.training.inprocess import InProcessGenerator
 from rlnode.training.loop import JobRunner
 from rlnode.training.trainer import Trainer, TrainerConfig, completion_logprobs
 from rlnode.training.transport import InMemoryTransport
+from tests.factories import trajectory
 
 PROMPT = [5, 6, 7]
 # Turn by turn: the model's tokens, their logprobs, then what the environment appended.
@@ -53,20 +53,7 @@ def _turns(ref: bool = True, versions: tuple[int, ...] = (3, 2, 3)) -> list[Toke
 
 
 def _trajectory(turns: list[TokenTurn]) -> Trajectory:
-    return Trajectory(
-        job_id="j",
-        org_id="o",
-        work_id=uuid.uuid4(),
-        rollout_id="r",
-        generator="g",
-        step=0,
-        group_id="g",
-        seed=0,
-        sample_index=0,
-        status="ok",
-        turns=turns,
-        reward=1.0,
-    )
+    return trajectory(turns=turns, group_id="g")
 
 
 def test_turns_that_extend_each_other_are_one_sample_with_the_environment_masked() -> None:

@@ -285,6 +285,14 @@ class TrainingSpec(StrictModel):
         ),
     )
     seed: int = 0
+    rollout_samples: int = Field(
+        4,
+        ge=0,
+        le=32,
+        description="Episodes of each step the learner shows as text in a `rollout.sample` "
+        "event (the dashboard's rollouts page): the best, the worst, a failed one and the "
+        "first others; 0 shows none.",
+    )
     breaker: BreakerSpec = Field(
         default_factory=BreakerSpec,
         description="When failing rollouts pause the job (the Task App circuit breaker).",

@@ -60,6 +60,7 @@ class JobEventType(StrEnum):
     QUEUED = "job.queued"
     STARTED = "job.started"
     ROLLOUT_BATCH = "rollout.batch"
+    ROLLOUT_SAMPLE = "rollout.sample"
     TRAJECTORY_TOO_LARGE = "trajectory.too_large"
     TRAIN_STEP = "train.step"
     WEIGHTS_PUBLISHED = "weights.published"
@@ -110,6 +111,10 @@ class AcceptedData(EventData):
     steps: NonNegativeInt = Field(
         description="Training steps the job will take (0: it only evaluates)."
     )
+    name: str | None = Field(None, description="The job's label (config `name`).")
+    model: str | None = Field(None, description="The model it trains (config model.source).")
+    task_app: str | None = Field(None, description="The Task App its episodes run on.")
+    algorithm: str | None = Field(None, description="The policy loss (training.algorithm).")
 
 
 class CompletedData(EventData):
@@ -132,6 +137,40 @@ class RolloutBatchData(EventData):
     reward_mean: FiniteFloat | None
     reward_std: FiniteFloat | None
     failures: list[str] = Field(default_factory=list, description="Failure kinds in the batch.")
+
+
+SAMPLE_TEXT_CHARS = 4000  # per prompt or completion shown in a rollout sample
+
+
+class TurnText(EventData):
+    prompt: str = Field(
+        description="What the model was asked (its end, when longer than shown): the first "
+        "turn's whole prompt; a later turn's, what the environment added to the history."
+    )
+    completion: str
+    finish_reason: str
+
+
+class EpisodeSample(EventData):
+    """One episode of a step as people read it."""
+
+    seed: int
+    sample_index: NonNegativeInt
+    group_id: str
+    status: Literal["ok", "failed"]
+    reward: FiniteFloat | None
+    failure_kind: str | None = None
+    failure_message: str | None = None
+    turns: list[TurnText] = Field(default_factory=list)
+    duration_s: NonNegativeFloat = 0.0
+
+
+class RolloutSampleData(EventData):
+    """A bounded sample of a step's episodes as text (training.rollout_samples of them)."""
+
+    step: NonNegativeInt = Field(description="The step the episodes were sampled for.")
+    episodes: NonNegativeInt = Field(description="Episodes in the step (the sample's whole).")
+    samples: list[EpisodeSample]
 
 
 class TrainStepData(EventData):
@@ -285,6 +324,7 @@ EVENT_DATA: dict[JobEventType, type[EventData]] = {
     JobEventType.CANCELLED: EndedData,
     JobEventType.COMPLETED: CompletedData,
     JobEventType.ROLLOUT_BATCH: RolloutBatchData,
+    JobEventType.ROLLOUT_SAMPLE: RolloutSampleData,
     JobEventType.TRAJECTORY_TOO_LARGE: TrajectoryTooLargeData,
     JobEventType.TRAIN_STEP: TrainStepData,
     JobEventType.WEIGHTS_PUBLISHED: WeightsPublishedData,

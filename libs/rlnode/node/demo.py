@@ -21,10 +21,11 @@ from pathlib import Path
 from rlnode.examples import example_job
 from rlnode.messages import JobConfig, JobEventType, ends_the_job
 from rlnode.models.build import init_tiny_model
-from rlnode.node.local import LocalNode, NodeOptions
+from rlnode.node.local import LocalNode, NodeOptions, Org
 from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.sdk.jobs import JobError, new_job_id
 from rlnode.sdk.progress import QUIET, Progress, terminal_curve, write_plot
+from rlnode.service.files import private_file
 from rlnode.service.registry import CHECKPOINT_SERVER
 from rlnode.service.settings import NodeSettings
 
@@ -45,6 +46,7 @@ def run_demo(steps: int = 60, data_dir: Path | None = None) -> int:
             "2/6  creating org 'demo'; sealing ENVIRONMENT_API_KEY with its public key on this side"
         )
         org = node.create_org("demo", {"ENVIRONMENT_API_KEY": "demo-" + secrets.token_hex(16)})
+        _dashboard(node, org, root, say)
         say("3/6  registering the managed copy-task Task App (the key is injected at run time)")
         verdict = node.register_example_task_app(org, "copy", "copy_task")
         say(
@@ -102,7 +104,7 @@ def run_real_model_demo(steps: int = 12, data_dir: Path | None = None) -> int:
     say(f"1/7  importing SmolLM2-135M-Instruct from its package's GGUF into {store} (once)")
     imported = import_gguf(packaged_gguf("smollm2-135m-instruct"), store)
     say(f"     {'found' if imported.reused else 'imported'}: {imported.path}")
-    engine = _real_model_engine()
+    engine = real_model_engine()
     say(f"2/7  starting the node (the generator runs {engine['GENERATOR_ENGINE']}); ~1-2 min")
     env = {
         "learner": {"LEARNER_MODEL_DIRS": json.dumps([str(store)])},
@@ -111,6 +113,7 @@ def run_real_model_demo(steps: int = 12, data_dir: Path | None = None) -> int:
     with LocalNode(NodeOptions(data_dir=root / "node", env=env)) as node:
         say(f"     up in {time.perf_counter() - started:.0f}s")
         org = node.create_org("demo", {"ENVIRONMENT_API_KEY": "demo-" + secrets.token_hex(16)})
+        _dashboard(node, org, root, say)
         say("3/7  org 'demo' with its sealed key; registering the managed arithmetic Task App")
         node.register_example_task_app(org, "arithmetic", "arithmetic")
         config = example_job("arithmetic_smollm2", imported.path, steps=steps)
@@ -170,7 +173,7 @@ def run_real_model_demo(steps: int = 12, data_dir: Path | None = None) -> int:
 HELD_OUT_SHOWN = range(1_000_000, 1_000_006)
 
 
-def _real_model_engine() -> dict[str, str]:
+def real_model_engine() -> dict[str, str]:
     import importlib.util
 
     if importlib.util.find_spec("vllm") is None:
@@ -233,6 +236,17 @@ async def _train(
                     raise JobError(f"the demo job {event.type.value}: {event.message}", event)
                 break
     return job_id, rows, evals
+
+
+def _dashboard(node: LocalNode, org: Org, root: Path, say) -> None:
+    """Where to watch the job in a browser; the org token goes to a file of the user's only
+    (never to the terminal: it would land in logs)."""
+    token_file = private_file(root / "demo-org.token")
+    token_file.write_text(org.token)
+    say(
+        f"     dashboard: {node.url(CHECKPOINT_SERVER.name)}/dashboard/ (sign in with the org "
+        f"token in {token_file})"
+    )
 
 
 def _printer():

@@ -22,7 +22,13 @@ from rlnode.bus import ensure_topics
 from rlnode.bus.localbroker import LocalBroker, free_port
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
-from rlnode.node.plan import GpuPlan, engine_settings, learner_settings, serving_settings
+from rlnode.node.plan import (
+    GpuPlan,
+    engine_settings,
+    learner_settings,
+    make_plan,
+    serving_settings,
+)
 from rlnode.node.processes import ServiceProcess, ensure_local_credentials
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.jobs import JobsClient
@@ -148,11 +154,21 @@ class LocalNode:
             learner = vault_url | gateway_url | self._token_env(LEARNER) | self._model_dirs()
             self._service(LEARNER, learner, learner_env)
         if CHECKPOINT_SERVER.name in wanted:
-            self._service(
-                CHECKPOINT_SERVER, vault_url | self._token_env(CHECKPOINT_SERVER), serving_env
-            )
+            serving = vault_url | gateway_url | self._token_env(CHECKPOINT_SERVER)
+            self._service(CHECKPOINT_SERVER, serving, serving_env)
         for process in self.processes.values():
             process.wait_healthy(timeout_s=60)
+        self.write_state()
+
+    @property
+    def state_path(self) -> Path:
+        """node.json: what `rlnode status` and the dashboard's node page read."""
+        return self.data_dir / "node.json"
+
+    def write_state(self) -> None:
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.state(), indent=2))
+        tmp.replace(self.state_path)
 
     @staticmethod
     def _model_dirs() -> dict[str, str]:
@@ -241,6 +257,8 @@ class LocalNode:
                 said.append(
                     f"{key} started again (pid {process.proc.pid}, restart {self.restarts[key]})"
                 )
+        if said:
+            self.write_state()
         return said
 
     def _supervise_broker(self) -> list[str]:
@@ -279,6 +297,10 @@ class LocalNode:
             "bootstrap": self.bootstrap,
             "broker_pid": self.broker.pid if self.broker else None,
             "broker_restarts": self.restarts.get("broker", 0),
+            "plan": [
+                {"role": role, "gpus": gpus, "runs": runs}
+                for role, gpus, runs in (self.options.plan or make_plan(0)).rows()
+            ],
             "services": {
                 key: {
                     "url": p.url,
@@ -301,6 +323,7 @@ class LocalNode:
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
+        self.state_path.unlink(missing_ok=True)
         return codes
 
     def __enter__(self) -> LocalNode:

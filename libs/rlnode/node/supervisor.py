@@ -77,8 +77,7 @@ def run_up(
 
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        node.start()
-        state.write_text(json.dumps(node.state(), indent=2))
+        node.start()  # it keeps its state in node.json
         _say(out, f"node up: broker {node.bootstrap}, data and logs under {data_dir}")
         for key, service in node.state()["services"].items():
             _say(out, f"  {key:<28} {service['url']}  (pid {service['pid']})")
@@ -90,7 +89,6 @@ def run_up(
         while not stopping:
             for line in node.supervise():
                 _say(out, line)
-            state.write_text(json.dumps(node.state(), indent=2))
             time.sleep(0.5)
     finally:
         _say(out, "stopping: services (consumers first), then the broker")

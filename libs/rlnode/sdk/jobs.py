@@ -63,8 +63,13 @@ def evaluation_job(config: JobConfig, checkpoint: Path, spec: EvalSpec) -> JobCo
 
 def load_config(path: Path) -> JobConfig:
     """A job config from a TOML or JSON file, validated (errors name the field)."""
-    text = path.read_text()
-    if path.suffix.lower() == ".toml":
+    return parse_config(path.read_text(), toml=path.suffix.lower() == ".toml")
+
+
+def parse_config(text: str, *, toml: bool) -> JobConfig:
+    """A job config from TOML or JSON text: ValueError on a syntax error (tomllib's names
+    the line), pydantic's ValidationError naming each field that is wrong."""
+    if toml:
         import tomllib
 
         return JobConfig.model_validate(tomllib.loads(text))
@@ -219,11 +224,15 @@ async def org_events(
     *,
     service: str,
     follow: bool = True,
+    from_beginning: bool = True,
 ) -> AsyncIterator[JobEvent]:
-    """Every event of the org's jobs from the first, forged ones skipped; a job's events in
-    order (they share a partition), jobs interleaved as they come. With `follow`, waits for
-    more until cancelled; without, stops at the end of what the topic holds now."""
-    async with TopicReader(kafka, topics.JOB_EVENTS, service=service) as reader:
+    """Every event of the org's jobs from the first (or from now on, without
+    `from_beginning`), forged ones skipped; a job's events in order (they share a
+    partition), jobs interleaved as they come. With `follow`, waits for more until
+    cancelled; without, stops at the end of what the topic holds now."""
+    async with TopicReader(
+        kafka, topics.JOB_EVENTS, service=service, from_beginning=from_beginning
+    ) as reader:
         while True:
             for event in await _verified(reader, verifier, lambda e: e.org_id == org_id):
                 yield event

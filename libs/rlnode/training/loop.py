@@ -35,6 +35,7 @@ from rlnode.messages import (
 from rlnode.messages.jobs import (
     CheckpointSavedData,
     RolloutBatchData,
+    RolloutSampleData,
     TrainStepData,
     WeightsPublishedData,
 )
@@ -57,6 +58,7 @@ from rlnode.training.grpo import TIED, group_advantages, sample_batch
 from rlnode.training.losses import loss_class
 from rlnode.training.losses.dapo import overlong_shaped
 from rlnode.training.model_source import with_imported_model
+from rlnode.training.samples import describe, pick
 from rlnode.training.storage import (
     StoreWriteFailed,
     free_bytes,
@@ -521,6 +523,7 @@ class JobRunner:
                 failures=sorted({t.failure.kind for t in trajectories if t.failure}),
             ),
         )
+        await self._show_samples(step, trajectories)
         advantages = group_advantages(
             self._shaped(ok), scale_by_std=loss_class(self.config.training.algorithm).scale_by_std
         )
@@ -565,6 +568,20 @@ class JobRunner:
                 per_turn_trajectories=batch.per_turn_trajectories,
                 mismatch_kl=mismatch_kl,
             ),
+        )
+
+    async def _show_samples(self, step: int, trajectories: list[Trajectory]) -> None:
+        """A few of the step's episodes as text (`rollout.sample`), for people to read."""
+        chosen = pick(trajectories, self.config.training.rollout_samples)
+        if not chosen:
+            return
+        assert self.trainer is not None
+        tokenizer = self.trainer.tokenizer
+        samples = [describe(x, tokenizer) for x in chosen]
+        await self._event(
+            JobEventType.ROLLOUT_SAMPLE,
+            f"step {step}: {len(samples)} of {len(trajectories)} episodes",
+            RolloutSampleData(step=step, episodes=len(trajectories), samples=samples),
         )
 
     def _shaped(self, trajectories: list[Trajectory]) -> list[Trajectory]:

@@ -19,6 +19,7 @@ from rlnode.service.db import create_tables, engine_for
 from rlnode.service.db_outage import retry_on_outage, watch_database
 from rlnode.service.http import Operator, install_error_handlers
 from rlnode.service.openai_api import error_body
+from rlnode_services.checkpoint_server.dashboard import dashboard_routes
 from rlnode_services.checkpoint_server.events import event_routes
 from rlnode_services.checkpoint_server.index import Indexer
 from rlnode_services.checkpoint_server.inference import inference_routes
@@ -65,6 +66,7 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
     assert bus.verifier is not None
     app.include_router(event_routes(db, settings.kafka, bus.verifier))
     app.include_router(inference_routes(settings, checkpoints, cache))
+    app.include_router(dashboard_routes(db, bus, settings.vault_url, settings.gateway_url))
 
     @app.get("/v1/checkpoint-server", tags=["ops"])
     async def status(_operator: Operator) -> dict[str, Any]:

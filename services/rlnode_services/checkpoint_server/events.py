@@ -13,8 +13,10 @@ from sqlalchemy.engine import Engine
 
 from rlnode.bus.settings import KafkaSettings
 from rlnode.bus.signing import RecordVerifier
-from rlnode.sdk.jobs import job_events
-from rlnode_services.checkpoint_server.access import Caller
+from rlnode.messages import JobEvent
+from rlnode.sdk.jobs import job_events, org_events
+from rlnode.service.auth import Scope
+from rlnode_services.checkpoint_server.access import Caller, need, org_of
 from rlnode_services.checkpoint_server.listings import job_summary
 
 
@@ -33,12 +35,35 @@ def event_routes(db: Engine, kafka: KafkaSettings, verifier: RecordVerifier) -> 
             async for event in job_events(
                 kafka, verifier, job_id, service="checkpoint-server/events", follow=follow
             ):
-                if event.org_id != org_id:
-                    continue
-                yield f"event: {event.type.value}\ndata: {event.model_dump_json()}\n\n".encode()
+                if event.org_id == org_id:
+                    yield sse(event)
 
-        return StreamingResponse(
-            stream(), media_type="text/event-stream", headers={"Cache-Control": "no-store"}
-        )
+        return event_stream(stream())
+
+    @router.get("/v1/events", tags=["jobs"])
+    async def org_stream(claims: Caller) -> StreamingResponse:
+        """`text/event-stream`: every event of your org's jobs from now on, as they come
+        (the dashboard's job list follows it)."""
+        need(claims, Scope.JOBS_READ)
+        org_id = org_of(claims)
+
+        async def stream() -> AsyncIterator[bytes]:
+            yield b": following your org's job events\n\n"  # the headers go out now
+            async for event in org_events(
+                kafka, verifier, org_id, service="checkpoint-server/events", from_beginning=False
+            ):
+                yield sse(event)
+
+        return event_stream(stream())
 
     return router
+
+
+def sse(event: JobEvent) -> bytes:
+    return f"event: {event.type.value}\ndata: {event.model_dump_json()}\n\n".encode()
+
+
+def event_stream(body: AsyncIterator[bytes]) -> StreamingResponse:
+    return StreamingResponse(
+        body, media_type="text/event-stream", headers={"Cache-Control": "no-store"}
+    )

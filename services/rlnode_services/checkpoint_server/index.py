@@ -15,13 +15,15 @@ from sqlalchemy.engine import Engine
 
 from rlnode.bus import Delivery
 from rlnode.messages import ENDED_STATUSES, JobEvent, JobEventType, WeightVersion, utc_now
-from rlnode.messages.jobs import EvalCompletedData
+from rlnode.messages.jobs import AcceptedData, EvalCompletedData, RolloutSampleData
 from rlnode.service.db import session_scope
 from rlnode.service.stores import job_dir, path_in_job_store
 from rlnode_services.checkpoint_server.store import (
     CheckpointRecord,
     EvalRecord,
+    JobDescription,
     JobSummary,
+    RolloutSampleRecord,
     WeightRecord,
 )
 
@@ -55,6 +57,10 @@ class Indexer:
             self._checkpoint(event)
         if event.type is JobEventType.EVAL_COMPLETED:
             self._evaluation(event)
+        if event.type is JobEventType.ACCEPTED:
+            self._describe(event)
+        if event.type is JobEventType.ROLLOUT_SAMPLE:
+            self._rollout_sample(event)
         self._summarise(event)
 
     async def on_weights(self, version: WeightVersion, _delivery: Delivery) -> None:
@@ -126,6 +132,46 @@ class Indexer:
                     created_at=event.ts,
                 )
             )
+
+    def _describe(self, event: JobEvent) -> None:
+        data = event.typed_data()
+        assert isinstance(data, AcceptedData), "JobEvent checks data against its type"
+        with session_scope(self.engine) as s:
+            known = s.get(JobDescription, event.job_id)
+            if known is not None and known.org_id != event.org_id:
+                return  # another org's event naming this job: not this job's
+            s.merge(
+                JobDescription(
+                    job_id=event.job_id,
+                    org_id=event.org_id,
+                    name=data.name,
+                    model=data.model,
+                    task_app=data.task_app,
+                    algorithm=data.algorithm,
+                )
+            )
+
+    def _rollout_sample(self, event: JobEvent) -> None:
+        data = event.typed_data()
+        assert isinstance(data, RolloutSampleData), "JobEvent checks data against its type"
+        with session_scope(self.engine) as s:
+            summary = s.get(JobSummary, event.job_id)
+            if summary is not None and summary.org_id != event.org_id:
+                return
+            for position, episode in enumerate(data.samples):
+                s.merge(
+                    RolloutSampleRecord(
+                        job_id=event.job_id,
+                        step=data.step,
+                        position=position,
+                        org_id=event.org_id,
+                        reward=episode.reward,
+                        status=episode.status,
+                        failure_kind=episode.failure_kind,
+                        episode=episode.model_dump_json(),
+                        created_at=event.ts,
+                    )
+                )
 
     def _summarise(self, event: JobEvent) -> None:
         with session_scope(self.engine) as s:

@@ -22,7 +22,7 @@ from rlnode_services.checkpoint_server.models import (
     adapter_of,
     merge_checkpoint,
 )
-from rlnode_services.checkpoint_server.store import CheckpointRecord, JobSummary
+from rlnode_services.checkpoint_server.store import CheckpointRecord, JobDescription, JobSummary
 
 
 def job_summary(db: Engine, claims: TokenClaims, job_id: str) -> JobSummary:
@@ -131,13 +131,20 @@ def listing_routes(
                 .where(JobSummary.org_id == org_of(claims))
                 .order_by(col(JobSummary.created_at).desc())
             ).all()
-        return [_summary(r) for r in rows]
+            described = {
+                d.job_id: d
+                for d in s.exec(
+                    select(JobDescription).where(JobDescription.org_id == org_of(claims))
+                ).all()
+            }
+        return [_summary(r, described.get(r.job_id)) for r in rows]
 
     @router.get("/v1/jobs/{job_id}", tags=["jobs"])
     async def job(claims: Caller, job_id: str) -> dict[str, Any]:
         row = job_summary(db, claims, job_id)
         with Session(db) as s:
             ckpts = s.exec(select(CheckpointRecord).where(CheckpointRecord.job_id == job_id)).all()
+            description = s.get(JobDescription, job_id)
         best = None
         if ckpts:
             try:
@@ -145,7 +152,7 @@ def listing_routes(
             except ModelProblem:
                 best = None  # no round evaluated a checkpoint (yet)
         return {
-            **_summary(row),
+            **_summary(row, description),
             "checkpoints": sorted(c.step for c in ckpts),
             "best_checkpoint": best,
         }
@@ -168,9 +175,14 @@ def listing_routes(
     return router
 
 
-def _summary(row: JobSummary) -> dict[str, Any]:
+def _summary(row: JobSummary, description: JobDescription | None) -> dict[str, Any]:
+    known = description if description is not None and description.org_id == row.org_id else None
     return {
         "job_id": row.job_id,
+        "name": known.name if known else None,
+        "model": known.model if known else None,
+        "task_app": known.task_app if known else None,
+        "algorithm": known.algorithm if known else None,
         "status": row.status,
         "step": row.step,
         "total_steps": row.total_steps,

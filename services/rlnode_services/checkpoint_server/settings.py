@@ -8,7 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
-from rlnode.service.registry import CHECKPOINT_SERVER
+from rlnode.service.registry import CHECKPOINT_SERVER, GATEWAY
 from rlnode.service.settings import VaultClientSettings
 
 SERVICE = CHECKPOINT_SERVER
@@ -31,3 +31,7 @@ class CheckpointServerSettings(VaultClientSettings):
     max_tokens: int = Field(4096, ge=1, description="Upper bound on max_tokens per request.")
     default_max_tokens: int = Field(256, ge=1, description="max_tokens when a request has none.")
     max_batch_size: int = Field(32, ge=1, description="Requests in one batch.")
+    gateway_url: str = Field(
+        GATEWAY.default_url,
+        description="The taskapp-gateway whose Task Apps the dashboard's node page lists.",
+    )

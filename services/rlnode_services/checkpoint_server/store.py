@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Column
+from sqlalchemy import Column, Text
 from sqlmodel import Field, SQLModel
 
 from rlnode.messages import utc_now
@@ -103,4 +103,43 @@ class JobSummary(SQLModel, table=True):
     )
 
 
-TABLES = (CheckpointRecord, WeightRecord, EvalRecord, JobSummary)
+class JobDescription(SQLModel, table=True):
+    """What a job is (from its `job.accepted`): its label, model, Task App and loss."""
+
+    __tablename__ = "job_descriptions"
+
+    job_id: str = Field(primary_key=True, max_length=128)
+    org_id: str = Field(max_length=128, index=True)
+    name: str | None = Field(default=None, max_length=200)
+    model: str | None = Field(default=None, max_length=1024)
+    task_app: str | None = Field(default=None, max_length=200)
+    algorithm: str | None = Field(default=None, max_length=32)
+
+
+class RolloutSampleRecord(SQLModel, table=True):
+    """One episode of a step's `rollout.sample`, as text (`episode`: the EpisodeSample's
+    JSON)."""
+
+    __tablename__ = "rollout_samples"
+
+    job_id: str = Field(primary_key=True, max_length=128)
+    step: int = Field(primary_key=True)
+    position: int = Field(primary_key=True)
+    org_id: str = Field(max_length=128, index=True)
+    reward: float | None = None
+    status: str = Field(max_length=16)
+    failure_kind: str | None = Field(default=None, max_length=64)
+    episode: str = Field(sa_column=Column(Text(), nullable=False))
+    created_at: datetime = Field(
+        default_factory=utc_now, sa_column=Column(UTCDateTime(), nullable=False)
+    )
+
+
+TABLES = (
+    CheckpointRecord,
+    WeightRecord,
+    EvalRecord,
+    JobSummary,
+    JobDescription,
+    RolloutSampleRecord,
+)

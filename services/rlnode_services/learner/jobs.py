@@ -133,7 +133,13 @@ class JobManager:
             record.org_id,
             JobEventType.ACCEPTED,
             "accepted",
-            AcceptedData(steps=config.training.steps),
+            AcceptedData(
+                steps=config.training.steps,
+                name=config.name,
+                model=config.model.source,
+                task_app=config.task_app.name,
+                algorithm=config.training.algorithm,
+            ),
         )
         await self._start_or_queue(record)
 
