@@ -68,6 +68,7 @@ lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	node --check $(DASHBOARD)/app.js
 
 format: setup
 	$(BIN)/ruff check --fix .

@@ -4,6 +4,7 @@ the checkpoint answers, everything stops, and the plot exists."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -37,6 +38,13 @@ def test_the_demo_runs_end_to_end_and_leaves_nothing_running(tmp_path) -> None:
     out = result.stdout
     for stage in ("1/6", "2/6", "3/6", "4/6", "5/6", "6/6", "job.completed", "done in"):
         assert stage in out, stage
+    # The dashboard's URL, and the org token in a file of the user's, never on the terminal.
+    dashboard = re.search(
+        r"dashboard: (http://\S+/dashboard/) \(sign in with the org token in (\S+)\)", out
+    )
+    assert dashboard, out
+    token_file = Path(dashboard.group(2))
+    assert token_file.stat().st_mode & 0o077 == 0 and token_file.read_text() not in out
     png = next(Path(tmp_path / "d").glob("job-*.png"))
     assert png.read_bytes()[:4] == b"\x89PNG" and str(png) in out
     # Every service and the broker stopped: no process left with the demo's environment.

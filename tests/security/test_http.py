@@ -15,7 +15,9 @@ import httpx
 import pytest
 
 from rlnode.messages import utc_now
+from rlnode.sdk.vault import VaultClient
 from rlnode.service.auth import AuthError, TokenVerifier
+from rlnode.testing import unique_id
 from tests.security.conftest import AttackedNode
 
 # Routes that answer without a token, and why (docs/security.md says the same).
@@ -179,3 +181,70 @@ def test_another_orgs_checkpoint_files_and_merged_weights_are_a_404(attacked: At
             headers=_bearer(attacked.victim.token),
         )
         assert own.status_code == 400 and "holds whole weights" in own.text
+
+
+async def test_the_dashboards_routes_are_the_callers_orgs_only(attacked: AttackedNode) -> None:
+    """What the dashboard adds, tried with the attacker's org token: the victim's job cannot
+    be cancelled, its rollouts read or its events followed; the org stream carries the
+    caller's events alone; a token without jobs:write starts nothing; the page's own files
+    are the only files served without a token."""
+    base = attacked.url("checkpoint-server")
+    job = attacked.victim_job
+    attacker, victim = _bearer(attacked.attacker.token), _bearer(attacked.victim.token)
+    async with httpx.AsyncClient(base_url=base, timeout=60) as http:
+        for method, path in (
+            ("POST", f"/v1/jobs/{job}/cancel"),
+            ("GET", f"/v1/jobs/{job}/rollouts"),
+            ("GET", f"/v1/jobs/{job}/rollouts?text=Copy"),
+        ):
+            theirs = await http.request(method, path, headers=attacker, json={})
+            assert theirs.status_code == 404, (path, theirs.text)
+        own = await http.get(f"/v1/jobs/{job}/rollouts", headers=victim)
+        assert own.status_code == 200 and own.json(), "the victim reads its own samples"
+        assert {e["status"] for e in own.json()} <= {"ok", "failed"}
+
+        # The org stream from now on: a victim event while both follow reaches the victim's.
+        async def follow(headers: dict[str, str], seen: list[dict]) -> None:
+            async with http.stream("GET", "/v1/events", headers=headers) as stream:
+                async for line in stream.aiter_lines():
+                    if line.startswith("data: "):
+                        seen.append(json.loads(line.removeprefix("data: ")))
+
+        mine: list[dict] = []
+        theirs_seen: list[dict] = []
+        followers = [
+            asyncio.create_task(follow(attacker, mine)),
+            asyncio.create_task(follow(victim, theirs_seen)),
+        ]
+        await asyncio.sleep(3)  # both subscribed
+        async with attacked.node.jobs(attacked.victim) as jobs:
+            await jobs.cancel(f"{job}-absent")  # the learner refuses it: a victim event
+        for _ in range(120):
+            if theirs_seen:
+                break
+            await asyncio.sleep(0.5)
+        for follower in followers:
+            follower.cancel()
+        await asyncio.gather(*followers, return_exceptions=True)
+        assert theirs_seen and {e["org_id"] for e in theirs_seen} == {attacked.victim.org_id}
+        assert all(e["org_id"] == attacked.attacker.org_id for e in mine), mine
+
+        # Starting needs jobs:write; a config that does not parse publishes nothing either.
+        with VaultClient(attacked.url("credential-vault"), attacked.attacker.token) as vault:
+            read_only = vault.create_token(unique_id("reader"), scopes=["jobs:read"])["token"]
+        with_read_only = _bearer(read_only)
+        refused = await http.post(
+            "/v1/jobs", headers=with_read_only, json={"config": "[model]\nsource = 'x'"}
+        )
+        assert refused.status_code == 403, refused.text
+        bad = await http.post("/v1/jobs", headers=attacker, json={"config": "[model"})
+        assert bad.status_code == 422 and "cannot be read as toml" in bad.json()["detail"]
+
+        # The node page lists the caller's Task Apps alone.
+        node = (await http.get("/v1/node", headers=attacker)).json()
+        assert {app["org_id"] for app in node["task_apps"]} == {attacked.attacker.org_id}
+
+        # The page's files need no token and are the only files served that way.
+        assert (await http.get("/dashboard/")).status_code == 200
+        for path in ("/dashboard/..%2F..%2Fsettings.py", "/dashboard/vendor/..%2Fapp.js"):
+            assert (await http.get(path)).status_code == 404, path

@@ -33,7 +33,7 @@ from rlnode.node.processes import ServiceProcess, ensure_local_credentials
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.jobs import JobsClient
 from rlnode.sdk.vault import VaultClient
-from rlnode.service.files import private_dir
+from rlnode.service.files import private_dir, private_file
 from rlnode.service.registry import (
     CHECKPOINT_SERVER,
     GATEWAY,
@@ -166,7 +166,7 @@ class LocalNode:
         return self.data_dir / "node.json"
 
     def write_state(self) -> None:
-        tmp = self.state_path.with_suffix(".tmp")
+        tmp = private_file(self.state_path.with_suffix(".tmp"))  # pids, URLs, log paths
         tmp.write_text(json.dumps(self.state(), indent=2))
         tmp.replace(self.state_path)
 

@@ -193,12 +193,17 @@ async function jobsView() {
     $("#jobs tbody").replaceChildren(...rows.map(jobRow));
     $("#no-jobs").hidden = rows.length > 0;
   };
-  const load = async () => {
-    for (const job of await getJson("/v1/jobs", { signal })) jobs.set(job.job_id, job);
-    draw();
-  };
+  let loading = null; // one listing at a time, however many events of new jobs arrive
+  const load = () => (loading = loading || (async () => {
+    try {
+      for (const job of await getJson("/v1/jobs", { signal })) jobs.set(job.job_id, job);
+      draw();
+    } finally {
+      loading = null;
+    }
+  })());
   await load();
-  // Each event of the org updates its job's row; a job not listed yet is fetched once.
+  // Each event of the org updates its job's row; a job not listed yet brings the listing.
   follow("/v1/events", ({ data: event }) => {
     const job = jobs.get(event.job_id);
     if (!job) { load().catch(() => {}); return; }
