@@ -54,6 +54,11 @@ def main() -> None:
     parser.add_argument("--target", type=float, default=0.6)
     parser.add_argument("--lora-lr", type=float, default=5e-5)
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument(
+        "--results",
+        default="methods",
+        help="bench/results/<this>.{json,md}: a re-run of some methods beside the whole run",
+    )
     args = parser.parse_args()
     methods = [m for m in args.methods.split(",") if m]
     unknown = sorted(set(methods) - set(METHODS))
@@ -113,7 +118,7 @@ def report(results: dict[str, dict], args) -> None:
         *rows,
     ]
     write_results(
-        "methods",
+        args.results,
         args,
         "B12: training methods on SmolLM2-135M-Instruct learning sums (one node, vLLM)",
         table,
