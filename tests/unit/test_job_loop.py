@@ -55,6 +55,7 @@ class Loop:
         probe: Probe | None = None,
         task_app: TaskAppDefinition = copy_task.DEFINITION,
         samples_per_work: int = 16,
+        weights_store: Path | None = None,
     ) -> None:
         self.transport = InMemoryTransport()
         self.runner = JobRunner(
@@ -67,6 +68,7 @@ class Loop:
             60.0,
             probe=probe,
             samples_per_work=samples_per_work,
+            weights_dir=weights_store,
         )
         self.engine = TorchEngine(model, dtype="float32", max_wait_ms=1)
         self.generator = InProcessGenerator(self.engine, task_app, self.deliver).attach(
@@ -109,6 +111,17 @@ async def test_work_runs_at_most_max_async_versions_ahead(tiny_model, tmp_path, 
     # A work item per group (of 4 samples), each sample trained once.
     assert len(loop.transport.work) == 4 * 2
     assert sum(w.samples for w in loop.transport.work) == 4 * 2 * 4
+
+
+async def test_weight_versions_in_memory_go_when_the_run_ends(tiny_model, tmp_path):
+    store = tmp_path / "shm"
+    store.mkdir()
+    loop = Loop(tiny_model, tmp_path / "job", config(tiny_model, steps=3), weights_store=store)
+    await loop.run()
+    uris = [w.uri for w in loop.transport.weights]
+    assert uris and all(str(store / "org" / "job-loop") in uri for uri in uris)
+    assert not (store / "org" / "job-loop").exists(), "a finished job's versions are gone"
+    assert (loop.runner.root / "checkpoints" / "step-000003").is_dir(), "its checkpoint stays"
 
 
 async def test_a_group_split_over_work_items_trains_each_sample_once(tiny_model, tmp_path):

@@ -10,6 +10,7 @@ reads them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import statistics
@@ -236,6 +237,7 @@ class JobRunner:
         finally:
             await self._on_trainer_thread(self.trainer.close)
             self._trainer_thread.shutdown(wait=False)
+            await asyncio.to_thread(self._discard_shared_weights)
 
     async def _start_trainer(self) -> DataParallelTrainer:
         t = self.config.training
@@ -628,6 +630,20 @@ class JobRunner:
     def _kept(self) -> int:
         # Generators may still be loading the last few versions (up to max_async behind).
         return self.config.training.max_async + 2
+
+    def _discard_shared_weights(self) -> None:
+        """The job's weight versions in the weights store (memory: /dev/shm) go when its run
+        ends, however it ends: they are working copies (checkpoints hold what lasts), and a
+        node that kept every job's last versions filled its memory with them. A run that
+        resumes publishes its weights again."""
+        if self.weights_root is None:
+            return
+        shared = job_dir(self.weights_root, self.org_id, self.job_id)
+        if self.weights_dir == shared and shared.is_dir():
+            for version in shared.glob("v*.safetensors*"):
+                version.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):  # something else put there stays
+                shared.rmdir()
 
     def _prune_weights(self) -> None:
         for version in sorted(self._published_versions())[: -self._kept()]:
