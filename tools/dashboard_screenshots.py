@@ -97,7 +97,9 @@ def main() -> int:
             page.locator("#rollout").scroll_into_view_if_needed()
             shot(page, args.out / "rollout.png", full_page=False)
             # Ask the best checkpoint (chat, through SmolLM2's template), streamed.
-            page.wait_for_selector(f"#chat-model option[value='{job_id}@{args.steps}']", state="attached")
+            page.wait_for_selector(
+                f"#chat-model option[value='{job_id}@{args.steps}']", state="attached"
+            )
             page.select_option("#chat-model", f"{job_id}@{args.steps}")
             page.fill("#chat-prompt", "What is 12 + 7? Answer with the number only.")
             page.fill("#chat-max", "16")
