@@ -95,6 +95,12 @@ class Org:
     token: str
 
 
+def state_path(data_dir: Path) -> Path:
+    """node.json under a node's data dir: what `rlnode status` and the dashboard's node page
+    read, kept by `LocalNode`."""
+    return data_dir / "node.json"
+
+
 class LocalNode:
     def __init__(self, options: NodeOptions) -> None:
         self.options = options
@@ -162,8 +168,7 @@ class LocalNode:
 
     @property
     def state_path(self) -> Path:
-        """node.json: what `rlnode status` and the dashboard's node page read."""
-        return self.data_dir / "node.json"
+        return state_path(self.data_dir)
 
     def write_state(self) -> None:
         tmp = private_file(self.state_path.with_suffix(".tmp"))  # pids, URLs, log paths

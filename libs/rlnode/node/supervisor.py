@@ -19,7 +19,7 @@ import httpx
 
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages.config import TopologySpec
-from rlnode.node.local import LocalNode, NodeOptions
+from rlnode.node.local import LocalNode, NodeOptions, state_path
 from rlnode.node.plan import make_plan, plan_table
 from rlnode.service.registry import PORT_BASE
 from rlnode.service.settings import NodeSettings
@@ -29,10 +29,6 @@ log = logging.getLogger("rlnode.node.supervisor")
 
 class SupervisorError(RuntimeError):
     pass
-
-
-def state_path(data_dir: Path) -> Path:
-    return data_dir / "node.json"
 
 
 def _say(out: TextIO, text: str) -> None:

@@ -20,9 +20,10 @@ from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from rlnode.bus import Bus
-from rlnode.messages import JobRequest
+from rlnode.messages import ENDED_STATUSES, JobRequest
 from rlnode.messages.codec import describe_validation_error
 from rlnode.messages.jobs import JobAction
+from rlnode.node.local import state_path
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.http import ApiError
 from rlnode.sdk.jobs import new_job_id, parse_config
@@ -35,7 +36,7 @@ from rlnode_services.checkpoint_server.store import RolloutSampleRecord
 
 PAGE_DIR = Path(__file__).parent / "dashboard"
 VENDOR_FILES = ("uPlot.iife.min.js", "uPlot.min.css")
-ENDED = ("completed", "failed", "cancelled", "rejected")
+ENDED = ENDED_STATUSES | {"rejected"}  # nothing left to cancel
 
 
 class StartRequest(BaseModel):
@@ -199,7 +200,7 @@ def _node_state(data_dir: Path) -> dict[str, Any]:
     """node.json, which the node's supervisor keeps (empty when no supervisor writes one:
     services started one by one)."""
     try:
-        return json.loads((data_dir / "node.json").read_text())
+        return json.loads(state_path(data_dir).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
 

@@ -137,9 +137,8 @@ class Indexer:
         data = event.typed_data()
         assert isinstance(data, AcceptedData), "JobEvent checks data against its type"
         with session_scope(self.engine) as s:
-            known = s.get(JobDescription, event.job_id)
-            if known is not None and known.org_id != event.org_id:
-                return  # another org's event naming this job: not this job's
+            if _another_orgs(s.get(JobDescription, event.job_id), event):
+                return
             s.merge(
                 JobDescription(
                     job_id=event.job_id,
@@ -155,8 +154,7 @@ class Indexer:
         data = event.typed_data()
         assert isinstance(data, RolloutSampleData), "JobEvent checks data against its type"
         with session_scope(self.engine) as s:
-            summary = s.get(JobSummary, event.job_id)
-            if summary is not None and summary.org_id != event.org_id:
+            if _another_orgs(s.get(JobSummary, event.job_id), event):
                 return
             for position, episode in enumerate(data.samples):
                 s.merge(
@@ -190,8 +188,8 @@ class Indexer:
                     return
                 summary = JobSummary(job_id=event.job_id, org_id=event.org_id, status="accepted")
                 summary.created_at = event.ts
-            if event.org_id != summary.org_id:
-                return  # another org's event naming this job: not this job's
+            if _another_orgs(summary, event):
+                return
             status = STATUS_OF.get(event.type)
             if status is not None and summary.status not in ENDED_STATUSES:
                 summary.status = status
@@ -220,6 +218,11 @@ class Indexer:
         line = {"ts": event.ts.isoformat(), **event.data}
         with open(path, "a") as f:
             f.write(json.dumps(line) + "\n")
+
+
+def _another_orgs(known: JobSummary | JobDescription | None, event: JobEvent) -> bool:
+    """An event naming a job the index knows as another org's: not this job's."""
+    return known is not None and known.org_id != event.org_id
 
 
 def metrics_path(root: Path, org_id: str, job_id: str) -> Path:
