@@ -183,6 +183,7 @@ def _count(value: str) -> int | str:
 
 def _up(args: argparse.Namespace) -> int:
     from rlnode.messages.config import TopologySpec
+    from rlnode.node.roles import JoinInfo, RoleError, parse_roles
     from rlnode.node.supervisor import run_up
 
     gpus = _visible_gpus() if args.gpus is None else args.gpus
@@ -192,7 +193,27 @@ def _up(args: argparse.Namespace) -> int:
         tensor_parallel=args.tensor_parallel,
         reference=args.reference,
     )
-    return run_up(gpus, port_base=args.port_base, topology=topology, gateways=args.gateways)
+    try:
+        roles = parse_roles(args.role)
+        join = JoinInfo.read(args.join) if args.join else None
+    except RoleError as e:
+        print(f"rlnode: {e}", file=sys.stderr)
+        return 2
+    if "control" in roles and join is not None:
+        print(
+            "rlnode: the control host writes the join file; --join is for the others",
+            file=sys.stderr,
+        )
+        return 2
+    return run_up(
+        gpus,
+        port_base=args.port_base,
+        topology=topology,
+        gateways=args.gateways,
+        roles=roles,
+        host=args.host,
+        join=join,
+    )
 
 
 def _status(_args: argparse.Namespace) -> int:
@@ -241,6 +262,24 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=1,
         help="taskapp-gateway processes (1-10, default 1): the first runs the managed Task "
         "Apps, all run rollouts, and generators spread their work over them",
+    )
+    up.add_argument(
+        "--role",
+        default="control,training,inference",
+        help="what this host runs, a comma list (default all): control (broker, vault, "
+        "gateways), training (learner, checkpoint-server), inference (generators)",
+    )
+    up.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="the address services listen on and other hosts reach them at (default "
+        "127.0.0.1; a control host with another address writes <data dir>/join.json)",
+    )
+    up.add_argument(
+        "--join",
+        type=Path,
+        default=None,
+        help="the control host's join.json, for a host without the control role",
     )
     up.set_defaults(run=_up)
     commands.add_parser("status", help="the node's services: health, pid, restarts").set_defaults(

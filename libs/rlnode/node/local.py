@@ -30,6 +30,7 @@ from rlnode.node.plan import (
     serving_settings,
 )
 from rlnode.node.processes import ServiceProcess, ensure_local_credentials
+from rlnode.node.roles import JOINING_SERVICES, JoinInfo, RoleError, join_path
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.jobs import JobsClient
 from rlnode.sdk.vault import VaultClient
@@ -68,6 +69,12 @@ class NodeOptions:
     port_base: int | None = None
     # The GPU plan; None: everything on the CPU.
     plan: GpuPlan | None = None
+    # The address the services (and the embedded broker) listen on and others reach them at:
+    # loopback for a node on one machine, the host's own address when it spans several.
+    host: str = "127.0.0.1"
+    # The control host's join file (rlnode.node.roles), for a host that runs no vault: its
+    # services reach the control host's broker, vault and gateways with the tokens in it.
+    join: JoinInfo | None = None
 
 
 class PortInUse(RuntimeError):
@@ -126,16 +133,26 @@ class LocalNode:
         return self
 
     def _start(self) -> None:
-        if not self.bootstrap:
-            self.broker = LocalBroker().start()
-            self.bootstrap = self.broker.bootstrap_servers
-        asyncio.run(ensure_topics(self.kafka_settings()))
-        credentials = ensure_local_credentials(self.data_dir)
-        self.admin_token = credentials.admin_token
         wanted = self.options.services
-        vault = self._service(VAULT, {}, credentials.vault_env())
-        vault_url = {"VAULT_URL": vault.url}
-        gateway_urls: list[str] = []
+        join = self.options.join
+        if join is None and VAULT.name not in wanted:
+            raise RoleError(
+                "a host without the control role needs the control host's join file (--join)"
+            )
+        if join is not None:
+            self.bootstrap = join.bootstrap
+        elif not self.bootstrap:
+            self.broker = LocalBroker(host=self.options.host).start()
+            self.bootstrap = self.broker.bootstrap_servers
+        if VAULT.name in wanted:  # topics are the control host's to make
+            asyncio.run(ensure_topics(self.kafka_settings()))
+        if join is None:
+            credentials = ensure_local_credentials(self.data_dir)
+            self.admin_token = credentials.admin_token
+            vault_url = {"VAULT_URL": self._service(VAULT, {}, credentials.vault_env()).url}
+        else:
+            vault_url = {"VAULT_URL": join.vault_url}
+        gateway_urls: list[str] = list(join.gateway_urls) if join else []
         if GATEWAY.name in wanted:
             # The embedded node's Task Apps run on this machine: loopback URLs are allowed.
             gateway = vault_url | self._token_env(GATEWAY) | {"ALLOW_URLS_TO": '["loopback"]'}
@@ -150,21 +167,44 @@ class LocalNode:
         generator_env, learner_env, serving_env = plan_env(self.options.plan)
         if self.options.plan is None or self.options.plan.cpu_only:
             generator_env = generator_env * self.options.generators
-        if GENERATOR.name in wanted:
-            token = self._token_env(GENERATOR)
-            for index, env in enumerate(generator_env):
-                name = f"gen{index}"
-                own = vault_url | generator_gateways | token | {"GENERATOR_ID": name}
-                self._service(GENERATOR, own, env, instance=name, index=index)
+        learner_url = join.learner_url if join else ""
         if LEARNER.name in wanted:
             learner = vault_url | gateway_url | self._token_env(LEARNER) | self._model_dirs()
-            self._service(LEARNER, learner, learner_env)
+            learner_url = self._service(LEARNER, learner, learner_env).url
         if CHECKPOINT_SERVER.name in wanted:
             serving = vault_url | gateway_url | self._token_env(CHECKPOINT_SERVER)
             self._service(CHECKPOINT_SERVER, serving, serving_env)
+        if GENERATOR.name in wanted:
+            token = self._token_env(GENERATOR)
+            # Weight versions this host cannot see in shared memory come from the learner.
+            weights = {"WEIGHTS_URL": learner_url} if learner_url else {}
+            for index, env in enumerate(generator_env):
+                name = f"gen{index}"
+                # Named by host too where several hosts run generators: gen0@10.0.0.2.
+                ident = name if self.options.host == "127.0.0.1" else f"{name}@{self.options.host}"
+                own = vault_url | generator_gateways | token | weights | {"GENERATOR_ID": ident}
+                self._service(GENERATOR, own, env, instance=name, index=index)
         for process in self.processes.values():
             process.wait_healthy(timeout_s=60)
+        if join is None and self.options.host != "127.0.0.1":  # loopback: none could join
+            self.write_join_info(gateway_urls, learner_url)
         self.write_state()
+
+    def write_join_info(self, gateway_urls: list[str], learner_url: str) -> Path:
+        """join.json for the hosts that join this one (see rlnode.node.roles)."""
+        tokens = {}
+        for spec in (s for s in SERVICES if s.name in JOINING_SERVICES):
+            tokens[spec.name] = self.service_token(list(spec.token_scopes), spec.name)
+        serving = self.processes.get(CHECKPOINT_SERVER.name)
+        info = JoinInfo(
+            bootstrap=self.bootstrap,
+            vault_url=self.url(VAULT.name),
+            gateway_urls=gateway_urls,
+            service_tokens=tokens,
+            learner_url=learner_url,
+            checkpoint_server_url=serving.url if serving else "",
+        )
+        return info.write(join_path(self.data_dir))
 
     @property
     def state_path(self) -> Path:
@@ -184,16 +224,19 @@ class LocalNode:
         return {"MODEL_DIRS": json.dumps([tempfile.gettempdir()])}
 
     def _token_env(self, spec: ServiceSpec) -> dict[str, str]:
-        """SERVICE_TOKEN: a node-wide token with the scopes the registry gives the service."""
+        """SERVICE_TOKEN: a node-wide token with the scopes the registry gives the service
+        (from the join file on a host that joined another)."""
+        if self.options.join is not None:
+            return {"SERVICE_TOKEN": self.options.join.token_for(spec.name)}
         return {"SERVICE_TOKEN": self.service_token(list(spec.token_scopes), spec.name)}
 
     def _port(self, spec: ServiceSpec, index: int) -> int:
         if self.options.port_base is None:
-            return free_port()
+            return free_port(self.options.host)
         port = self.options.port_base + port_offset(spec) + index
         with socket.socket() as probe:
             try:
-                probe.bind(("127.0.0.1", port))
+                probe.bind((self.options.host, port))
             except OSError:
                 raise PortInUse(
                     f"port {port} ({spec.name}) is in use: is a node up already (rlnode status)? "
@@ -216,6 +259,7 @@ class LocalNode:
             spec,
             self._port(spec, index),
             self.data_dir / "logs" / f"{key.replace('/', '-')}.log",
+            host=self.options.host,
             env={
                 "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap,
                 "KAFKA_SESSION_TIMEOUT_MS": str(self.options.session_timeout_ms),

@@ -21,6 +21,7 @@ from rlnode.bus.settings import KafkaSettings
 from rlnode.messages.config import TopologySpec
 from rlnode.node.local import LocalNode, NodeOptions, state_path
 from rlnode.node.plan import make_plan, plan_table
+from rlnode.node.roles import ALL_ROLES, JoinInfo, join_path, services_of
 from rlnode.service.registry import PORT_BASE
 from rlnode.service.settings import NodeSettings
 
@@ -44,6 +45,9 @@ def run_up(
     out: TextIO = sys.stdout,
     topology: TopologySpec | None = None,
     gateways: int = 1,
+    roles: tuple[str, ...] = ALL_ROLES,
+    host: str = "127.0.0.1",
+    join: JoinInfo | None = None,
 ) -> int:
     data_dir = data_dir or NodeSettings().data_dir
     state = state_path(data_dir)
@@ -54,7 +58,7 @@ def run_up(
         )
     plan = make_plan(gpus, topology)
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or None
-    _say(out, f"plan for {gpus} GPU(s):\n{plan_table(plan)}")
+    _say(out, f"roles: {', '.join(roles)} on {host}; plan for {gpus} GPU(s):\n{plan_table(plan)}")
     node = LocalNode(
         NodeOptions(
             data_dir=data_dir,
@@ -63,6 +67,9 @@ def run_up(
             plan=plan,
             session_timeout_ms=KafkaSettings().session_timeout_ms,
             gateways=gateways,
+            services=services_of(roles),
+            host=host,
+            join=join,
         )
     )
     stopping = False
@@ -77,11 +84,18 @@ def run_up(
         _say(out, f"node up: broker {node.bootstrap}, data and logs under {data_dir}")
         for key, service in node.state()["services"].items():
             _say(out, f"  {key:<28} {service['url']}  (pid {service['pid']})")
-        _say(
-            out,
-            f"admin token: {data_dir / 'secrets' / 'vault-admin.token'} (rlnode org create "
-            "with RLNODE_ADMIN_TOKEN); stop with rlnode down or Ctrl-C",
-        )
+        if join is None:
+            _say(
+                out,
+                f"admin token: {data_dir / 'secrets' / 'vault-admin.token'} (rlnode org "
+                "create with RLNODE_ADMIN_TOKEN); stop with rlnode down or Ctrl-C",
+            )
+        if join_path(data_dir).exists() and join is None:
+            _say(
+                out,
+                f"other hosts join with: rlnode up --role inference|training --host <their "
+                f"address> --join {join_path(data_dir)} (copy it there; it holds tokens)",
+            )
         while not stopping:
             for line in node.supervise():
                 _say(out, line)
