@@ -1,0 +1,253 @@
+"""Test hosts on one machine (tests/multihost/, bench/multihost.py): a Linux network namespace per host, joined by veth pairs to a
+bridge, each with addresses of its own in a test subnet and, where asked, its own tmpfs over
+a directory (what one host writes there the others do not see). This process stays in the
+root namespace with an address on the bridge: the user's machine.
+
+Needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN) and iproute2; `available()` says why not."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from rlnode import testing
+from rlnode.bus.settings import KafkaSettings
+from rlnode.examples import task_app_path
+from rlnode.messages import JobConfig, JobEvent
+from rlnode.node.roles import JoinInfo, join_path
+from rlnode.sdk.gateway import GatewayClient
+from rlnode.sdk.jobs import JobsClient
+from rlnode.sdk.vault import VaultClient
+from rlnode.testing import unique_id
+
+ENDED = ("completed", "failed", "cancelled", "rejected")
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True)
+
+
+def available() -> str | None:
+    """None if test hosts can be made here, else why not."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2's `ip` is not installed"
+    probe = f"rlprobe{os.getpid()}"
+    try:
+        _ip("netns", "add", probe)
+    except subprocess.CalledProcessError as e:
+        return f"`ip netns add` failed: {e.stderr.strip()}"
+    _ip("netns", "del", probe)
+    return None
+
+
+@dataclass
+class Host:
+    name: str
+    namespace: str
+    address: str
+    bridge_end: str  # the veth end on the bridge (in the root namespace)
+
+    def command(self, argv: list[str], private_dirs: tuple[Path, ...] = ()) -> list[str]:
+        """`argv` run on this host: in its namespace, with a fresh tmpfs over each of
+        `private_dirs` (in a mount namespace of its own: nobody else sees what it writes)."""
+        mounts = " && ".join(
+            f'mount -t tmpfs -o mode=0700 tmpfs "${i + 1}"' for i in range(len(private_dirs))
+        )
+        script = (mounts + " && " if mounts else "") + f'shift {len(private_dirs)} && exec "$@"'
+        return [
+            "ip", "netns", "exec", self.namespace, "sh", "-c", script, "host",
+            *map(str, private_dirs), *argv,
+        ]  # fmt: skip
+
+    def link(self, up: bool) -> None:
+        """Its network cable plugged in or pulled (the host's own end of the pair)."""
+        _ip("-n", self.namespace, "link", "set", "eth0", "up" if up else "down")
+
+
+class TestNetwork:
+    """`with TestNetwork() as net: a = net.add_host("a")` — hosts on a /24 of 10.x.y.0, a
+    subnet picked from this process's pid so that two runs on one machine do not meet."""
+
+    def __init__(self) -> None:
+        tag = os.getpid() % 50000
+        self.prefix = f"10.{200 + tag // 250 % 50}.{tag % 250}"
+        self.tag = f"rl{tag}"
+        self.bridge = f"{self.tag}br"
+        self.hosts: list[Host] = []
+        self.address = f"{self.prefix}.254"  # this process's, on the bridge
+
+    def __enter__(self) -> TestNetwork:
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{self.address}/24", "dev", self.bridge)
+            _ip("link", "set", self.bridge, "up")
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def add_host(self, name: str) -> Host:
+        index = len(self.hosts) + 1
+        host = Host(name, f"{self.tag}-{name}", f"{self.prefix}.{index}", f"{self.tag}v{index}")
+        self.hosts.append(host)
+        _ip("netns", "add", host.namespace)
+        _ip("link", "add", host.bridge_end, "type", "veth", "peer", "name", "eth0", "netns",
+            host.namespace)  # fmt: skip
+        _ip("link", "set", host.bridge_end, "master", self.bridge, "up")
+        _ip("-n", host.namespace, "addr", "add", f"{host.address}/24", "dev", "eth0")
+        _ip("-n", host.namespace, "link", "set", "eth0", "up")
+        _ip("-n", host.namespace, "link", "set", "lo", "up")
+        return host
+
+    def close(self) -> None:
+        for host in self.hosts:
+            subprocess.run(["ip", "netns", "del", host.namespace], capture_output=True)
+            subprocess.run(["ip", "link", "del", host.bridge_end], capture_output=True)
+        subprocess.run(["ip", "link", "del", self.bridge], capture_output=True)
+
+    def __exit__(self, *_exc) -> None:
+        self.close()
+
+
+class HostProcess:
+    """`rlnode up` on a test host, in the foreground of its namespace."""
+
+    def __init__(
+        self,
+        host: Host,
+        data_dir: Path,
+        argv: list[str],
+        weights: Path,
+        env: dict[str, str] | None = None,
+    ) -> None:
+        self.host = host
+        self.data_dir = data_dir
+        data_dir.mkdir(parents=True)
+        self.log = data_dir.parent / f"{host.name}-up.log"
+        environment = (
+            os.environ
+            | {
+                "RLNODE_DATA_DIR": str(data_dir),
+                "RLNODE_WEIGHTS_DIR": str(weights),
+                # Quick failover for the test: a silent generator leaves its group in 6 s.
+                "KAFKA_SESSION_TIMEOUT_MS": "6000",
+                "KAFKA_HEARTBEAT_INTERVAL_MS": "2000",
+            }
+            | (env or {})
+        )
+        environment.pop("KAFKA_BOOTSTRAP_SERVERS", None)  # the control host runs its broker
+        command = [sys.executable, "-m", "rlnode.cli", "up", "--host", host.address, *argv]
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                host.command(command, private_dirs=(weights,)),
+                env=environment,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def state(self) -> dict | None:
+        path = self.data_dir / "node.json"
+        return json.loads(path.read_text()) if path.exists() else None
+
+    def wait_up(self, timeout_s: float) -> dict:
+        def up() -> dict | None:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"rlnode up on {self.host.name} exited: {self.tail()}")
+            return self.state()
+
+        try:
+            return testing.wait_until(up, timeout_s, f"host {self.host.name} up")
+        except TimeoutError as e:
+            raise AssertionError(f"{e}: {self.tail()}") from None
+
+    def tail(self, chars: int = 3000) -> str:
+        return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # it stops its services in order
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+@dataclass
+class User:
+    """A user of a node that spans test hosts, from this machine: an org with its key, its
+    Task Apps, its jobs, through the public clients and the addresses in the join file."""
+
+    join: JoinInfo
+    org_id: str
+    token: str
+
+    @classmethod
+    def create(cls, control: HostProcess) -> User:
+        join = JoinInfo.read(join_path(control.data_dir))
+        admin_token = (control.data_dir / "secrets" / "vault-admin.token").read_text().strip()
+        org_id = unique_id("org")
+        with VaultClient(join.vault_url, admin_token) as admin:
+            token = admin.create_org(org_id)["token"]["token"]
+        with VaultClient(join.vault_url, token) as vault:
+            vault.set_secret("ENVIRONMENT_API_KEY", unique_id("key"))
+        return cls(join, org_id, token)
+
+    def register_example_task_app(self, name: str, example: str) -> dict:
+        with GatewayClient(self.join.gateway_urls[0], self.token) as gateway:
+            gateway.register(name, command=[sys.executable, str(task_app_path(example))])
+            return gateway.verify(name)
+
+    def jobs(self, client: str) -> JobsClient:
+        kafka = KafkaSettings(bootstrap_servers=self.join.bootstrap)
+        return JobsClient(self.org_id, self.token, kafka, client, self.join.vault_url)
+
+    def start(self, config: JobConfig) -> str:
+        async def start() -> str:
+            async with self.jobs("testhosts") as jobs:
+                return await jobs.start(config, unique_id("job"))
+
+        return asyncio.run(start())
+
+    def events(self, job_id: str) -> list[JobEvent]:
+        async def events() -> list[JobEvent]:
+            async with self.jobs("testhosts-watch") as jobs:
+                return [e async for e in jobs.events(job_id, follow=False)]
+
+        return asyncio.run(events())
+
+    def learner_job(self, job_id: str) -> dict:
+        """The job as the learner records it ({} while it does not answer)."""
+        try:
+            response = httpx.get(
+                self.join.learner_url + "/v1/jobs",
+                headers={"Authorization": f"Bearer {self.token}"},
+                timeout=5,
+            )
+            return next((j for j in response.json() if j["job_id"] == job_id), {})
+        except (httpx.HTTPError, ValueError):
+            return {}
+
+    def wait_for_end(self, job_id: str, timeout_s: float) -> dict:
+        return testing.wait_until(
+            lambda: (j := self.learner_job(job_id)).get("status") in ENDED and j,
+            timeout_s,
+            f"{job_id} ended",
+        )
