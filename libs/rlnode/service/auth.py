@@ -47,6 +47,7 @@ class Scope(StrEnum):
     ROLLOUTS_RUN = "rollouts:run"  # services only: run rollouts through the gateway
     NODE_OPS = "node:ops"  # operators' service tokens: every org's jobs and each service's state
     RECORDS_SIGN = "records:sign"  # services only: certify a key that signs what they publish
+    WEIGHTS_READ = "weights:read"  # services only: download weight versions from the learner
 
 
 ORG_SCOPES = frozenset(

@@ -54,7 +54,7 @@ GENERATOR = ServiceSpec(
     "rlnode_services.rollout_generator",
     8730,
     "GENERATOR_",
-    token_scopes=(Scope.ROLLOUTS_RUN, Scope.RECORDS_SIGN),
+    token_scopes=(Scope.ROLLOUTS_RUN, Scope.RECORDS_SIGN, Scope.WEIGHTS_READ),
     on_the_bus=True,
 )
 LEARNER = ServiceSpec(
@@ -70,7 +70,7 @@ CHECKPOINT_SERVER = ServiceSpec(
     "rlnode_services.checkpoint_server",
     8750,
     "CHECKPOINT_SERVER_",
-    token_scopes=(Scope.RECORDS_SIGN,),
+    token_scopes=(Scope.RECORDS_SIGN, Scope.WEIGHTS_READ),
     client_url_env="RLNODE_CHECKPOINT_URL",
     on_the_bus=True,
 )

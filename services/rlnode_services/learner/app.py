@@ -1,5 +1,5 @@
 """HTTP wiring of the learner: the job-request subscription, the job manager's lifecycle,
-and a read-only view of the jobs it owns."""
+a read-only view of the jobs it owns, and the weight versions it published (weights.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from rlnode_services.learner.intake import JobIntake
 from rlnode_services.learner.jobs import JobManager
 from rlnode_services.learner.settings import SERVICE, LearnerSettings
 from rlnode_services.learner.store import JobRecord
+from rlnode_services.learner.weights import weights_router
 
 
 def create_app(settings: LearnerSettings) -> FastAPI:
@@ -47,6 +48,7 @@ def create_app(settings: LearnerSettings) -> FastAPI:
     install_error_handlers(app)
     watch_database(app, engine)
     app.state.health_checks["service_token"] = lambda: settings.service_token is not None
+    app.include_router(weights_router(manager.published, settings.node.stores))
 
     @app.get("/v1/jobs", tags=["jobs"])
     async def jobs(claims: Caller) -> list[dict[str, Any]]:

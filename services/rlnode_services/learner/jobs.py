@@ -40,6 +40,7 @@ from rlnode_services.learner.intake import JobIntake
 from rlnode_services.learner.probe import task_app_probe
 from rlnode_services.learner.settings import LearnerSettings
 from rlnode_services.learner.store import ACTIVE, TABLES, JobRecord
+from rlnode_services.learner.weights import PublishedWeights
 
 log = logging.getLogger("learner.jobs")
 
@@ -52,7 +53,9 @@ class JobManager:
         self.bus = bus
         self.engine = engine
         self.intake = intake
-        self.transport = BusTransport(bus)
+        # The weight versions published, which generators on other hosts fetch over HTTP.
+        self.published = PublishedWeights()
+        self.transport = self.published.noting(BusTransport(bus))
         self.runners: dict[str, JobRunner] = {}
         # One supervised driver per running job ("job <id>"): /health names a driver that
         # died, and it starts again (the job resumes from its last checkpoint).
@@ -193,6 +196,7 @@ class JobManager:
                 await self._end(runner, *await self._outcome(runner))
             finally:
                 self.runners.pop(job_id, None)
+                self.published.forget(job_id)
                 await runner.close_trackers()
         self.holding.discard(job_id)
         await self._commit()
