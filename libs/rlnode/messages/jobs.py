@@ -231,6 +231,17 @@ class WeightsLoadedData(EventData):
     load_s: NonNegativeFloat
     probe_max_abs_diff: NonNegativeFloat
     probe_ok: bool
+    transport: Literal["shared-memory", "http"] = Field(
+        "shared-memory",
+        description="How the file reached the generator: shared-memory, read where the learner "
+        "wrote it (the node's weights store, or beside the checkpoints when that had no room); "
+        "http, downloaded from the learner (GENERATOR_WEIGHTS_URL) by a generator that could "
+        "not see it.",
+    )
+    fetch_s: NonNegativeFloat = Field(0.0, description="The download, for transport http.")
+    fetch_resumes: NonNegativeInt = Field(
+        0, description="Broken downloads resumed (Range) before the file was whole."
+    )
 
 
 class WeightsRefusedData(EventData):

@@ -1,5 +1,6 @@
 """The engines a generator holds: one per job (its base model, then the weight versions the
-learner publishes), and a frozen reference copy when the reference is stacked here."""
+learner publishes: read where the learner wrote them, or downloaded from it by a generator
+on another host), and a frozen reference copy when the reference is stacked here."""
 
 from __future__ import annotations
 
@@ -7,11 +8,14 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
 
 from rlnode.engine import Engine, EngineError, create_engine
 from rlnode.messages import ModelSpec, WeightVersion
 from rlnode.messages.config import LoraSpec
 from rlnode.service.stores import path_in_job_store
+from rlnode_services.rollout_generator.fetch import Fetched, FetchFailed, WeightsFetcher
 from rlnode_services.rollout_generator.settings import GeneratorSettings
 
 log = logging.getLogger("rollout_generator.engines")
@@ -19,6 +23,20 @@ log = logging.getLogger("rollout_generator.engines")
 
 class WeightsRefused(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A weight version loaded: in `load_s`, with the parity probe's max |diff|, from the
+    learner's file or from a download (`fetched`)."""
+
+    load_s: float
+    probe_max_abs_diff: float
+    fetched: Fetched | None = None
+
+    @property
+    def transport(self) -> Literal["shared-memory", "http"]:
+        return "http" if self.fetched is not None else "shared-memory"
 
 
 @dataclass
@@ -37,6 +55,8 @@ class EnginePool:
         self.jobs: dict[str, JobEngines] = {}
         self._creating = asyncio.Lock()
         self.latest: dict[str, WeightVersion] = {}  # newest version seen per job, loaded or not
+        # Downloads weight versions this host cannot see (None: no learner URL set).
+        self.fetcher = WeightsFetcher(settings) if settings.weights_url is not None else None
 
     def _create(
         self, model: ModelSpec, reference: bool = False, lora: LoraSpec | None = None
@@ -88,34 +108,55 @@ class EnginePool:
                 )
         return self.jobs[job_id]
 
-    async def load(self, engines: JobEngines, version: WeightVersion) -> tuple[float, float]:
-        """Check and load a weight version; returns (load seconds, probe max |diff|)."""
+    async def load(self, engines: JobEngines, version: WeightVersion) -> Loaded | None:
+        """Check and load a weight version (downloaded first where this host cannot see its
+        file and a learner URL is set); None if it, or a newer one, is loaded already."""
         async with engines.lock:
             if version.version <= engines.loaded_version:
-                return 0.0, 0.0
-            path = path_in_job_store(
-                version.uri, self.settings.node.stores, version.org_id, version.job_id
-            )
-            if path is None:
-                raise WeightsRefused(
-                    f"{version.uri} is not in the node's stores under "
-                    f"{version.org_id}/{version.job_id}/: not this job's weights"
-                )
-            if not path.is_file():
-                raise WeightsRefused(f"no weights file at {path}")
+                return None
+            path, fetched = await self._weights_file(version)
             try:
                 seconds = await engines.policy.load_weights(
                     path, version.version, version.blake3, adapter=version.adapter
                 )
             except EngineError as e:
+                if fetched is not None:
+                    path.unlink(missing_ok=True)  # refused: nothing of it is kept
                 raise WeightsRefused(str(e)) from None
             engines.loaded_version = version.version
+            if self.fetcher is not None:
+                await asyncio.to_thread(self.fetcher.discard_older, version)
             (recomputed,) = await engines.policy.score([version.probe.token_ids])
             diff = max(
                 (abs(a - b) for a, b in zip(recomputed, version.probe.logprobs, strict=True)),
                 default=0.0,
             )
-            return seconds, diff
+            return Loaded(seconds, diff, fetched)
+
+    async def _weights_file(self, version: WeightVersion) -> tuple[Path, Fetched | None]:
+        """The file to load: the learner's where this host sees it (shared memory), else
+        a download from the learner (GENERATOR_WEIGHTS_URL)."""
+        path = path_in_job_store(
+            version.uri, self.settings.node.stores, version.org_id, version.job_id
+        )
+        local = path is not None and path.is_file()
+        if self.fetcher is not None and (self.settings.weights_fetch == "always" or not local):
+            try:
+                fetched = await self.fetcher.fetch(version)
+            except FetchFailed as e:
+                raise WeightsRefused(f"fetching it over HTTP failed: {e}") from None
+            return fetched.path, fetched
+        if path is None:
+            raise WeightsRefused(
+                f"{version.uri} is not in the node's stores under "
+                f"{version.org_id}/{version.job_id}/: not this job's weights"
+            )
+        if not local:
+            raise WeightsRefused(
+                f"no weights file at {path} (a generator on another host than the learner "
+                "downloads it: set GENERATOR_WEIGHTS_URL)"
+            )
+        return path, None
 
     async def release(self, job_id: str) -> None:
         """Close an ended job's engines (work still queued for it is skipped)."""
@@ -127,6 +168,8 @@ class EnginePool:
             await engines.policy.close()
             if engines.reference is not None:
                 await engines.reference.close()
+            if self.fetcher is not None:
+                await asyncio.to_thread(self.fetcher.discard_job, job_id)
         log.info("released the engines of ended job %s", job_id)
 
     def failures(self) -> dict[str, str]:
@@ -144,3 +187,5 @@ class EnginePool:
             if engines.reference is not None:
                 await engines.reference.close()
         self.jobs.clear()
+        if self.fetcher is not None:
+            await asyncio.to_thread(self.fetcher.close)

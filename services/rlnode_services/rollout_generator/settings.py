@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import socket
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.messages.topics import ROLLOUT_GENERATOR_GROUP
@@ -77,6 +79,34 @@ class GeneratorSettings(VaultClientSettings):
     probe_tolerance: float = Field(
         1e-3, gt=0, description="Max |logprob diff| of the parity probe."
     )
+    weights_url: str | None = Field(
+        None,
+        description="The learner's base URL (e.g. http://learner-host:8740): a weight version "
+        "whose file is not on this host is downloaded from it (GET /v1/weights/...; the "
+        "service token needs weights:read). Unset: only files this host sees are loaded.",
+    )
+    weights_fetch: Literal["auto", "always"] = Field(
+        "auto",
+        description="With a weights URL: auto downloads a version only when its file is not "
+        "on this host; always downloads every one.",
+    )
+    weights_dir: Path | None = Field(
+        None,
+        description="Where downloaded versions go (<org>/<job>/v<N>.safetensors, private "
+        "files), one directory per generator; the versions in it are removed when the "
+        "generator starts and stops. Default: rlnode-fetched-<generator id> in /dev/shm "
+        "(memory) where that exists, else under RLNODE_DATA_DIR.",
+    )
+    weights_fetch_retries: int = Field(
+        5,
+        ge=0,
+        le=100,
+        description="How many times a broken download resumes (Range, from the bytes it "
+        "has) before the version is refused; waits double from 0.5 s between tries.",
+    )
+    weights_fetch_timeout_s: float = Field(
+        60.0, gt=0, description="Longest wait for the learner to connect or send more bytes."
+    )
 
     concurrency: int = Field(16, ge=1, le=4096, description="Rollouts in flight at once.")
     work_group: str = Field(
@@ -104,6 +134,33 @@ class GeneratorSettings(VaultClientSettings):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"{url!r} is not an http(s) URL of a taskapp-gateway")
         return ",".join(urls)
+
+    @field_validator("weights_url")
+    @classmethod
+    def _weights_url(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        url = value.strip().rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{url!r} is not an http(s) URL of a learner")
+        return url
+
+    @model_validator(mode="after")
+    def _fetch_needs_a_url(self) -> GeneratorSettings:
+        if self.weights_fetch == "always" and self.weights_url is None:
+            raise ValueError(
+                "weights_fetch 'always' downloads from the learner: set GENERATOR_WEIGHTS_URL"
+            )
+        return self
+
+    @property
+    def fetched_weights_dir(self) -> Path:
+        """Where this generator keeps the versions it downloaded (GENERATOR_WEIGHTS_DIR)."""
+        if self.weights_dir is not None:
+            return self.weights_dir
+        own = "rlnode-fetched-" + re.sub(r"[^A-Za-z0-9._-]", "_", self.generator_id)
+        memory = Path("/dev/shm")
+        return memory / own if memory.is_dir() else self.node.data_dir / "fetched-weights" / own
 
     @property
     def gateway_urls(self) -> list[str]:

@@ -1,5 +1,6 @@
 """Following the learner's weight versions: check the checksum, load between batches, probe
-parity, and say so on the job-events topic (`weights.loaded` or `weights.refused`)."""
+parity, and say so on the job-events topic (`weights.loaded`, naming how the file came:
+shared memory or HTTP, or `weights.refused`)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 from rlnode.bus import Bus, Delivery
 from rlnode.messages import JobEvent, JobEventType, WeightVersion
 from rlnode.messages.jobs import WeightsLoadedData, WeightsRefusedData
-from rlnode_services.rollout_generator.engines import EnginePool, WeightsRefused
+from rlnode_services.rollout_generator.engines import EnginePool, Loaded, WeightsRefused
 from rlnode_services.rollout_generator.settings import GeneratorSettings
 
 log = logging.getLogger("rollout_generator.weights")
@@ -66,7 +67,7 @@ class WeightSync:
             return
         generator = self.settings.generator_id
         try:
-            seconds, diff = await self.pool.load(engines, version)
+            loaded = await self.pool.load(engines, version)
         except WeightsRefused as e:
             if key in self._refused:
                 return  # a concurrent attempt refused and reported it
@@ -85,23 +86,38 @@ class WeightSync:
             return
         async with self._changed:
             self._changed.notify_all()
-        if seconds == 0.0 and diff == 0.0:
+        if loaded is None:
             return  # someone else loaded it meanwhile
-        ok = diff <= self.settings.probe_tolerance
+        ok = loaded.probe_max_abs_diff <= self.settings.probe_tolerance
+        how = _how(loaded)
+        log.info("job %s: loaded weights v%d %s", version.job_id, version.version, how)
         await self.bus.publish(
             JobEvent.of(
                 version.job_id,
                 version.org_id,
                 self.bus.service,
                 JobEventType.WEIGHTS_LOADED,
-                f"generator {generator} loaded v{version.version} in {seconds:.3f}s; parity probe "
-                f"max |Δlogprob| {diff:.2e} ({'ok' if ok else 'OVER tolerance'})",
+                f"generator {generator} loaded v{version.version} {how} in "
+                f"{loaded.load_s:.3f}s; parity probe max |Δlogprob| "
+                f"{loaded.probe_max_abs_diff:.2e} ({'ok' if ok else 'OVER tolerance'})",
                 WeightsLoadedData(
                     version=version.version,
                     generator=generator,
-                    load_s=seconds,
-                    probe_max_abs_diff=diff,
+                    load_s=loaded.load_s,
+                    probe_max_abs_diff=loaded.probe_max_abs_diff,
                     probe_ok=ok,
+                    transport=loaded.transport,
+                    fetch_s=loaded.fetched.seconds if loaded.fetched else 0.0,
+                    fetch_resumes=loaded.fetched.resumes if loaded.fetched else 0,
                 ),
             )
         )
+
+
+def _how(loaded: Loaded) -> str:
+    """Which way the file came, for people: the event's message and the log."""
+    fetched = loaded.fetched
+    if fetched is None:
+        return "from shared memory"
+    resumed = f", resumed {fetched.resumes}x" if fetched.resumes else ""
+    return f"over HTTP (downloaded in {fetched.seconds:.3f}s{resumed})"
