@@ -67,6 +67,13 @@ class RolloutWork(Envelope):
         return self
 
     @property
+    def key(self) -> bytes:
+        """Keyed by job and group, not by job alone (docs/decisions.md): a job's work spreads
+        over the topic's partitions and so over every generator of the consumer group, while
+        a group's samples stay together (one engine, its prefix cache)."""
+        return f"{self.job_id}/{self.group_id}".encode()
+
+    @property
     def sample_indices(self) -> range:
         return range(self.sample_index, self.sample_index + self.samples)
 

@@ -140,6 +140,8 @@ class HostProcess:
             | {
                 "RLNODE_DATA_DIR": str(data_dir),
                 "RLNODE_WEIGHTS_DIR": str(weights),
+                # What a generator downloads goes to this host's own tmpfs too.
+                "GENERATOR_WEIGHTS_DIR": str(weights / "fetched"),
                 # Quick failover for the test: a silent generator leaves its group in 6 s.
                 "KAFKA_SESSION_TIMEOUT_MS": "6000",
                 "KAFKA_HEARTBEAT_INTERVAL_MS": "2000",
