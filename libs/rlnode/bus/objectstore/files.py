@@ -1,0 +1,261 @@
+"""Objects as files: what the object store keeps on disk, and how a write becomes durable.
+
+A bucket is a directory; a key's segments (split on "/") are directories `d<segment>` and
+its last segment the file `o<segment>` (segments percent-encoded, so no key can name a
+path outside its bucket, and a key may be both an object and a prefix of others). A file
+is a small JSON header (ETag, size, time, the headers kept from the PUT) and the body.
+
+Every write goes to a temporary file that is fsync'd, then renamed over the object, then
+the directory is fsync'd: a reader sees the old object or the new one, and what a PUT
+answered survives a crash. A conditional write (If-None-Match: *, If-Match: <etag>) checks
+and renames under the key's lock, so two writers of one key cannot both win.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import struct
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import BinaryIO
+
+HEADER = struct.Struct(">I")  # the JSON header's length, before it
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._=-")
+_LOCKS = 64
+
+
+class Precondition(Exception):
+    """If-Match or If-None-Match did not hold."""
+
+
+class NoSuchBucket(Exception):
+    pass
+
+
+class InvalidKey(Exception):
+    pass
+
+
+class StoreBusy(Exception):
+    pass
+
+
+@dataclass(frozen=True)
+class ObjectMeta:
+    key: str
+    etag: str  # quoted, as S3 sends it: '"<md5 hex>"'
+    size: int
+    mtime: float
+    headers: dict[str, str] = field(default_factory=dict)  # Content-Type, x-amz-meta-*, ...
+
+
+def encode_segment(segment: str) -> str:
+    return "".join(chr(b) if b in _SAFE else f"%{b:02X}" for b in segment.encode())
+
+
+def decode_segment(name: str) -> str:
+    raw, i = bytearray(), 0
+    while i < len(name):
+        if name[i] == "%":
+            raw.append(int(name[i + 1 : i + 3], 16))
+            i += 3
+        else:
+            raw.append(ord(name[i]))
+            i += 1
+    return raw.decode()
+
+
+def same_etag(a: str, b: str) -> bool:
+    return a.strip().strip('"') == b.strip().strip('"')
+
+
+class ObjectFiles:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.buckets = root / "buckets"
+        self.tmp = root / "tmp"
+        self._locks = [threading.Lock() for _ in range(_LOCKS)]
+        for directory in (self.buckets, self.tmp):
+            directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        # One process per directory: the key locks are this process's own.
+        self._held = open(root / "lock", "a")  # held while this process lives
+        try:
+            fcntl.flock(self._held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._held.close()
+            raise StoreBusy(f"another object store serves {root}") from None
+        for leftover in self.tmp.iterdir():  # writes a crash interrupted
+            leftover.unlink()
+
+    def create_bucket(self, bucket: str) -> None:
+        self._ensure_dir(self._bucket(bucket, must_exist=False))
+
+    def bucket_exists(self, bucket: str) -> bool:
+        return self._bucket(bucket, must_exist=False).is_dir()
+
+    # -- objects ----------------------------------------------------------------------------
+
+    def put(
+        self,
+        bucket: str,
+        key: str,
+        body: bytes,
+        headers: dict[str, str],
+        if_match: str | None = None,
+        if_none_match: str | None = None,
+    ) -> ObjectMeta:
+        path = self._path(bucket, key)
+        meta = ObjectMeta(
+            key, f'"{hashlib.md5(body).hexdigest()}"', len(body), time.time(), headers
+        )
+        tmp = self.tmp / f".{uuid.uuid4().hex}"
+        header = json.dumps(
+            {"etag": meta.etag, "size": meta.size, "mtime": meta.mtime, "headers": headers}
+        ).encode()
+        with open(tmp, "wb") as f:
+            f.write(HEADER.pack(len(header)) + header + body)
+            f.flush()
+            os.fsync(f.fileno())
+        try:
+            with self._lock(bucket, key):
+                current = self._read_meta(path, key)
+                if if_none_match is not None and current is not None:
+                    raise Precondition(f"{key} exists")
+                if if_match is not None and (
+                    current is None or not same_etag(current.etag, if_match)
+                ):
+                    raise Precondition(f"{key} is not at {if_match}")
+                self._ensure_dir(path.parent)
+                os.replace(tmp, path)
+                self._fsync_dir(path.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
+        return meta
+
+    def head(self, bucket: str, key: str) -> ObjectMeta | None:
+        return self._read_meta(self._path(bucket, key), key)
+
+    def get(self, bucket: str, key: str) -> tuple[ObjectMeta, BinaryIO] | None:
+        """The object's meta, and the open file at the start of its body (one snapshot:
+        a PUT meanwhile replaces the name, not what is open); None if there is none."""
+        try:
+            f = open(self._path(bucket, key), "rb")
+        except FileNotFoundError:
+            return None
+        try:
+            return self._meta_from(f, key), f
+        except BaseException:
+            f.close()
+            raise
+
+    def delete(self, bucket: str, key: str) -> None:
+        """Gone (S3 answers a delete of a missing key the same way)."""
+        path = self._path(bucket, key)
+        with self._lock(bucket, key):
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                return
+            self._fsync_dir(path.parent)
+
+    def walk(self, bucket: str, prefix: str, after: str, group_dirs: bool) -> Iterator[str]:
+        """Keys beginning with `prefix` and sorting after `after`, in S3's (UTF-8 byte)
+        order. With `group_dirs`, a directory below the prefix is one entry, its key prefix
+        ending in "/" (S3's CommonPrefixes for the delimiter "/")."""
+        base = self._bucket(bucket)
+        *whole, _ = prefix.split("/")  # the segments every listed key has in full
+        directory, at = base, ""
+        for segment in whole:
+            directory, at = directory / ("d" + encode_segment(segment)), at + segment + "/"
+        if directory.is_dir():
+            yield from self._walk(directory, at, prefix, after, group_dirs)
+
+    def _walk(
+        self, directory: Path, at: str, prefix: str, after: str, group_dirs: bool
+    ) -> Iterator[str]:
+        children = []
+        for name in os.listdir(directory):
+            if name[:1] == "o":
+                children.append((at + decode_segment(name[1:]), name, False))
+            elif name[:1] == "d":
+                children.append((at + decode_segment(name[1:]) + "/", name, True))
+        for key, name, is_dir in sorted(children):
+            if is_dir:
+                # Skip what cannot hold a key with the prefix or after `after`.
+                if not (key.startswith(prefix) or prefix.startswith(key)):
+                    continue
+                if key <= after and not after.startswith(key):
+                    continue
+                if group_dirs and len(key) > len(prefix):
+                    if key > after and self._holds_objects(directory / name):
+                        yield key
+                    continue
+                yield from self._walk(directory / name, key, prefix, after, group_dirs)
+            elif key.startswith(prefix) and key > after:
+                yield key
+
+    def _holds_objects(self, directory: Path) -> bool:
+        for name in os.listdir(directory):
+            if name[:1] == "o" or (name[:1] == "d" and self._holds_objects(directory / name)):
+                return True
+        return False
+
+    # -- paths, locks, durability -------------------------------------------------------------
+
+    def _bucket(self, bucket: str, must_exist: bool = True) -> Path:
+        if not bucket or "/" in bucket or bucket in (".", ".."):
+            raise NoSuchBucket(bucket)
+        path = self.buckets / bucket
+        if must_exist and not path.is_dir():
+            raise NoSuchBucket(bucket)
+        return path
+
+    def _path(self, bucket: str, key: str) -> Path:
+        if not key:
+            raise InvalidKey("an object needs a key")
+        *dirs, last = key.split("/")
+        names = ["d" + encode_segment(s) for s in dirs] + ["o" + encode_segment(last)]
+        if any(len(name) > 255 for name in names):
+            raise InvalidKey(f"a segment of {key[:80]!r} is too long (255 bytes once encoded)")
+        return self._bucket(bucket).joinpath(*names)
+
+    def _lock(self, bucket: str, key: str) -> threading.Lock:
+        return self._locks[hash((bucket, key)) % _LOCKS]
+
+    def _read_meta(self, path: Path, key: str) -> ObjectMeta | None:
+        try:
+            with open(path, "rb") as f:
+                return self._meta_from(f, key)
+        except FileNotFoundError:
+            return None
+
+    @staticmethod
+    def _meta_from(f: BinaryIO, key: str) -> ObjectMeta:
+        (length,) = HEADER.unpack(f.read(HEADER.size))
+        header = json.loads(f.read(length))
+        return ObjectMeta(key, header["etag"], header["size"], header["mtime"], header["headers"])
+
+    def _ensure_dir(self, path: Path) -> None:
+        if path.is_dir():
+            return
+        self._ensure_dir(path.parent)
+        try:
+            path.mkdir(mode=0o700)
+        except FileExistsError:
+            return
+        self._fsync_dir(path.parent)
+
+    @staticmethod
+    def _fsync_dir(path: Path) -> None:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -1,0 +1,162 @@
+"""The object store as a child process, and its access key.
+
+`LocalObjectStore(data_dir).start()` serves `data_dir` on a loopback port (the same one
+when started again, so a broker configured with it finds it back); `client_env()` is the
+environment that points an object_store (AWS) client at it. The access key is minted on
+first use into a file only its owner can read, like the node's other secrets."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rlnode.bus.objectstore.sigv4 import Credentials
+
+BUCKET = "tansu"
+
+
+class ObjectStoreError(RuntimeError):
+    pass
+
+
+def ensure_credentials(path: Path) -> Credentials:
+    """The access key in `path`, minted (0600, written once) if it is not there yet."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    minted = {
+        "access_key_id": "RLNODE" + secrets.token_hex(7).upper(),
+        "secret_access_key": secrets.token_urlsafe(30),
+        "region": "us-east-1",
+    }
+    with contextlib.suppress(FileExistsError):
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(minted) + "\n")
+    return read_credentials(path)
+
+
+def read_credentials(path: Path) -> Credentials:
+    try:
+        return Credentials(**json.loads(path.read_text()))
+    except (OSError, ValueError, TypeError) as e:
+        raise ObjectStoreError(f"cannot read the object store's access key from {path}: {e}") from e
+
+
+class LocalObjectStore:
+    def __init__(
+        self,
+        data_dir: Path,
+        credentials_path: Path | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        log_path: Path | None = None,
+        start_timeout_s: float = 15.0,
+    ) -> None:
+        self.data_dir = data_dir
+        self.credentials_path = credentials_path or data_dir / "credentials.json"
+        self.host = host
+        self.port = port or _free_port(host)
+        self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
+        self._proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def credentials(self) -> Credentials:
+        return read_credentials(self.credentials_path)
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self._proc else None
+
+    @property
+    def exit_code(self) -> int | None:
+        return self._proc.poll() if self._proc else None
+
+    def client_env(self) -> dict[str, str]:
+        """What an object_store / AWS client needs to use this store."""
+        credentials = self.credentials
+        return {
+            "AWS_ENDPOINT": self.url,
+            "AWS_ALLOW_HTTP": "true",
+            "AWS_ACCESS_KEY_ID": credentials.access_key_id,
+            "AWS_SECRET_ACCESS_KEY": credentials.secret_access_key,
+            "AWS_DEFAULT_REGION": credentials.region,
+            "AWS_REGION": credentials.region,
+        }
+
+    def start(self) -> LocalObjectStore:
+        if self.running:
+            return self
+        ensure_credentials(self.credentials_path)
+        self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="rlnode-objectstore-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        command = [sys.executable, "-m", "rlnode.bus.objectstore", "--data-dir", str(self.data_dir)]
+        command += ["--credentials", str(self.credentials_path), "--bucket", BUCKET]
+        command += ["--host", self.host, "--port", str(self.port)]
+        with open(self.log_path, "ab") as log:
+            self._proc = subprocess.Popen(
+                command,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + self.start_timeout_s
+        while not _listening(self.host, self.port):
+            if self._proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                tail = self.log_path.read_text(errors="replace")[-2000:]
+                raise ObjectStoreError(
+                    f"the object store did not listen on {self.url} (log {self.log_path}):\n{tail}"
+                )
+            time.sleep(0.05)
+        return self
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        proc, self._proc = self._proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout_s)
+
+    def __enter__(self) -> LocalObjectStore:
+        return self.start()
+
+    def __exit__(self, *_exc) -> None:
+        self.stop()
+
+
+def _free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _listening(host: str, port: int) -> bool:
+    with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
+        return True
+    return False
