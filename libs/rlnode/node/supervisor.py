@@ -56,7 +56,7 @@ def run_up(
             f"a node is up already (pid {json.loads(state.read_text())['pid']}, {state}); "
             "rlnode status shows it, rlnode down stops it"
         )
-    plan = make_plan(gpus, topology)
+    plan = make_plan(gpus, topology, roles)  # this host's GPUs to this host's roles
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS") or None
     _say(out, f"roles: {', '.join(roles)} on {host}; plan for {gpus} GPU(s):\n{plan_table(plan)}")
     node = LocalNode(
