@@ -1,27 +1,33 @@
 """Kill any part of a running node and lose nothing. On the embedded node (`rlnode up`'s:
-its own broker, every service a process, supervision restarting what dies), a job is
-running when one process is SIGKILLed mid-step: the broker, the vault, either gateway (the
-one that runs the managed Task App, or the second, which only runs rollouts), the
-generator, the learner, the checkpoint-server or the managed Task App. The job completes;
-the chain of its checkpoints trained each work item exactly once; every step of the run
-that finished it shows once in `train.step`; checkpoints served before the kill still are."""
+its own broker on durable storage, every service a process, supervision restarting what
+dies), a job is running when one process is SIGKILLed mid-step: the broker, its object
+store, the vault, either gateway (the one that runs the managed Task App, or the second,
+which only runs rollouts), the generator, the learner, the checkpoint-server or the managed
+Task App. The job completes; the chain of its checkpoints trained each work item exactly
+once; every step of the run that finished it shows once in `train.step`; checkpoints
+served before the kill still are; every job request, job event and dead letter the broker
+held before the kill it still holds. On the memory engine (`--broker-storage memory`) a
+killed broker takes its records with it: the services start again and the learner resumes
+the job from its last checkpoint, still training each item once."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Literal
 
 import psutil
 import pytest
 
 from rlnode import testing
+from rlnode.bus import clients
 from rlnode.examples import example_job
-from rlnode.messages import JobEvent, JobEventType
+from rlnode.messages import JobEvent, JobEventType, topics
 from rlnode.models.build import init_tiny_model
 from rlnode.node import chaos
 from rlnode.node.chaos import BROKER, Supervision, learner_jobs, task_app_target
-from rlnode.node.local import LocalNode, NodeOptions, Org
+from rlnode.node.local import OBJECT_STORE, LocalNode, NodeOptions, Org
 from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.service.registry import CHECKPOINT_SERVER, GATEWAY, LEARNER, VAULT
 from rlnode.testing import unique_id
@@ -32,13 +38,16 @@ STEPS, PROMPTS, GROUP = 30, 2, 4
 TASK_APP = "copy"
 
 
-@pytest.fixture(scope="module")
-def node(tmp_path_factory) -> Iterator[tuple[LocalNode, Org, Path, Supervision]]:
-    directory = tmp_path_factory.mktemp("chaos")
+Running = tuple[LocalNode, Org, Path, Supervision]
+
+
+def _node(tmp_path_factory, storage: Literal["memory", "durable"]) -> Iterator[Running]:
+    directory = tmp_path_factory.mktemp(f"chaos-{storage}")
     options = NodeOptions(
         data_dir=directory / "node",
         env={"rollout-generator": {"GENERATOR_CONCURRENCY": "16"}},
         gateways=2,  # the generator spreads its work over both; either may be killed
+        broker_storage=storage,
     )
     with LocalNode(options) as running:
         org = running.create_org(unique_id("org"), {"ENVIRONMENT_API_KEY": unique_id("tk")})
@@ -50,6 +59,16 @@ def node(tmp_path_factory) -> Iterator[tuple[LocalNode, Org, Path, Supervision]]
             yield running, org, model, supervision
         finally:
             supervision.stop()
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory) -> Iterator[Running]:
+    yield from _node(tmp_path_factory, "durable")
+
+
+@pytest.fixture(scope="module")
+def memory_node(tmp_path_factory) -> Iterator[Running]:
+    yield from _node(tmp_path_factory, "memory")
 
 
 def alive(pid: int) -> bool:
@@ -79,6 +98,27 @@ async def job_events(node: LocalNode, org: Org, job_id: str) -> list[JobEvent]:
         return [e async for e in jobs.events(job_id, follow=False)]
 
 
+def dead_letter_one(node: LocalNode, supervision: Supervision) -> None:
+    """A job request that is not JSON, and wait until the learner has dead-lettered it."""
+
+    def dead_letters() -> int:
+        only = (topics.DEAD_LETTERS,)
+        return len(asyncio.run(chaos.held_records(node, only)))
+
+    before = dead_letters()
+
+    async def send() -> None:
+        producer = clients.producer(node.kafka_settings(), "chaos")
+        await producer.start()
+        try:
+            await producer.send_and_wait(topics.JOB_REQUESTS, b"{not json", key=b"chaos")
+        finally:
+            await producer.stop()
+
+    asyncio.run(send())
+    wait_until(lambda: dead_letters() > before, 60, "the bad request dead-lettered", supervision)
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "target",
@@ -91,10 +131,21 @@ async def job_events(node: LocalNode, org: Org, job_id: str) -> list[JobEvent]:
         f"{GATEWAY.name}/gw1",
         LEARNER.name,
         BROKER,
+        OBJECT_STORE,
     ],
 )
-def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
+def test_a_job_survives_a_sigkill_of(node: Running, target: str) -> None:
+    survives(node, target)
+
+
+@pytest.mark.timeout(600)
+def test_a_job_survives_a_sigkill_of_the_broker_in_memory(memory_node: Running) -> None:
+    survives(memory_node, BROKER)
+
+
+def survives(node: Running, target: str) -> None:
     running, org, model, supervision = node
+    durable = running.object_store is not None
     config = example_job(
         "copy_task",
         model,
@@ -109,6 +160,8 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
         async with running.jobs(org, "chaos") as jobs:
             return await jobs.start(config, unique_id("chaos"))
 
+    if durable and target in (BROKER, OBJECT_STORE):  # a dead letter it must keep
+        dead_letter_one(running, supervision)
     job_id = asyncio.run(start())
     # Mid-job: a checkpoint is served and training goes on past it.
     wait_until(
@@ -122,10 +175,6 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
         supervision,
     )
     before = served(running, org, job_id)
-    progress = (learner_jobs(running, org) or {}).get(job_id, {})
-    assert progress.get("status") == "running" and progress.get("step", STEPS) < STEPS, (
-        f"the job is not mid-way before the kill: {progress}"
-    )
     killed = task_app_target(org, TASK_APP) if target == "taskapp" else target
     orgs = {org.org_id: org}
     # A service that exited on its own (CI once saw the second gateway gone at this point)
@@ -133,6 +182,11 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
     wait_until(lambda: chaos.is_running(running, killed, orgs), 60, f"{killed} runs", supervision)
     restarts_before = dict(running.restarts)
     task_app_pid = chaos.pid_of(running, task_app_target(org, TASK_APP), orgs)
+    held_before = asyncio.run(chaos.held_records(running))
+    progress = (learner_jobs(running, org) or {}).get(job_id, {})
+    assert progress.get("status") == "running" and progress.get("step", STEPS) < STEPS, (
+        f"the job is not mid-way before the kill: {progress}"
+    )
     chaos.kill(running, killed, orgs)
     if target == GATEWAY.name:
         # Its Task App goes with it (the gateway started after it starts another).
@@ -158,8 +212,9 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
     assert chaos.trained_once(checkpoints, job_id, STEPS, PROMPTS, GROUP) == (0, 0)
 
     # The run that finished the job reported each of its steps once. (A learner that is
-    # killed trains the steps after its last checkpoint again, in a run of its own; the
-    # broker's events from before it died are gone with it.)
+    # killed trains the steps after its last checkpoint again, in a run of its own; so does
+    # the learner started again with the services when a broker in memory dies, whose
+    # events from before are gone with it.)
     events = asyncio.run(job_events(running, org, job_id))
     starts = [i for i, e in enumerate(events) if e.type is JobEventType.STARTED]
     assert starts, [e.type for e in events]
@@ -167,8 +222,15 @@ def test_a_job_survives_a_sigkill_of(node, target: str) -> None:
     steps = [e.data["step"] for e in last_run if e.type is JobEventType.TRAIN_STEP]
     resumed_from = STEPS - len(steps)
     assert steps == list(range(resumed_from + 1, STEPS + 1)), steps
-    if target not in (LEARNER.name, BROKER):
+    if target != LEARNER.name and (durable or target != BROKER):
         assert len(starts) == 1 and resumed_from == 0
+    if durable:  # every request, event and dead letter from before the kill is still there
+        lost = held_before - asyncio.run(chaos.held_records(running))
+        assert not lost, sorted(lost)[:5]
+    if durable and target in (BROKER, OBJECT_STORE):  # and no service had to start again
+        assert any(topic == topics.DEAD_LETTERS for topic, *_ in held_before)
+        services = {key: n for key, n in running.restarts.items() if key in running.processes}
+        assert services == {k: n for k, n in restarts_before.items() if k in running.processes}
 
     # What was served before the kill still is, and answers.
     after = wait_until(

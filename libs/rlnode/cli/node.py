@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rlnode import __version__
 from rlnode.bus import ensure_topics
-from rlnode.bus.localbroker import LocalBroker
+from rlnode.bus.localbroker import STORAGES, LocalBroker
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import topics
 from rlnode.service.registry import MAX_GATEWAYS, PORT_BASE, SERVICES, port_offset
@@ -44,20 +44,49 @@ def _broker_for_node(data_dir: Path) -> Iterator[tuple[str, str]]:
         yield broker.bootstrap_servers, f"embedded Tansu (pid {broker.pid})"
 
 
+def _storage_argument(parser: argparse.ArgumentParser, flag: str) -> None:
+    parser.add_argument(
+        flag,
+        dest="broker_storage",
+        choices=STORAGES,
+        default=None,
+        help="where the embedded broker keeps topics, records and offsets: durable (rlnode's "
+        "object store under <data dir>/broker: nothing is lost when it dies or stops) or "
+        "memory (default: RLNODE_BROKER_STORAGE, else durable)",
+    )
+
+
 def _broker(args: argparse.Namespace) -> int:
+    from rlnode.node.local import broker_object_store
+
     node = NodeSettings()
+    storage = args.broker_storage or node.broker_storage
     # Before anything is printed: whoever reads our output may signal us as soon as it can.
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    broker = LocalBroker(port=args.port, log_path=node.data_dir / "logs" / "broker.log").start()
+    store = broker_object_store(node.data_dir) if storage == "durable" else None
+    broker = LocalBroker(
+        port=args.port,
+        log_path=node.data_dir / "logs" / "broker.log",
+        storage=storage,
+        object_store=store,
+    )
     try:
+        if store is not None:
+            store.start()
+        broker.start()
         created = asyncio.run(
             ensure_topics(KafkaSettings(bootstrap_servers=broker.bootstrap_servers))
         )
-        print(f"broker ready on {broker.bootstrap_servers} (memory storage; log {broker.log_path})")
+        where = f" in {store.data_dir}" if store else ""
+        print(
+            f"broker ready on {broker.bootstrap_servers} ({storage} storage{where}; "
+            f"log {broker.log_path})"
+        )
         print(f"created topics: {', '.join(created) or 'none (they existed)'}")
         print(f"use it with:  export KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
-        print("Ctrl-C stops it (everything it held is gone).", flush=True)
+        kept = "what it holds stays for the next start" if store else "everything it held is gone"
+        print(f"Ctrl-C stops it ({kept}).", flush=True)
         while broker.running and not stop["flag"]:
             time.sleep(0.5)
         if not broker.running:
@@ -68,6 +97,8 @@ def _broker(args: argparse.Namespace) -> int:
         return 0
     finally:
         broker.stop()
+        if store is not None:
+            store.stop()
 
 
 def _topics_create(args: argparse.Namespace) -> int:
@@ -216,6 +247,7 @@ def _up(args: argparse.Namespace) -> int:
         roles=roles,
         host=args.host,
         join=join,
+        broker_storage=args.broker_storage,
     )
 
 
@@ -284,6 +316,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=None,
         help="the control host's join.json, for a host without the control role",
     )
+    _storage_argument(up, "--broker-storage")
     up.set_defaults(run=_up)
     commands.add_parser("status", help="the node's services: health, pid, restarts").set_defaults(
         run=_status
@@ -326,6 +359,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
     broker = commands.add_parser("broker", help="run the embedded Kafka-compatible broker (Tansu)")
     broker.add_argument("--port", type=int, default=9092, help="loopback port (default 9092)")
+    _storage_argument(broker, "--storage")
     broker.set_defaults(run=_broker)
 
     topics_cmd = commands.add_parser("topics", help="manage rlnode's topics")

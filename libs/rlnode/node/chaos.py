@@ -5,6 +5,7 @@ thread, so that whoever kills can watch from the same process."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import threading
@@ -13,7 +14,9 @@ from pathlib import Path
 
 import httpx
 
-from rlnode.node.local import LocalNode, Org
+from rlnode.bus import TopicReader
+from rlnode.messages import topics
+from rlnode.node.local import OBJECT_STORE, LocalNode, Org
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.service.registry import GATEWAY, LEARNER
 from rlnode.training.loop import trained_work_ids, work_id
@@ -46,15 +49,21 @@ def task_app_target(org: Org, name: str) -> str:
 
 
 def targets(node: LocalNode, task_apps: list[str]) -> list[str]:
-    """What may be killed: the broker (when the node runs its own), every service process,
-    and the managed Task Apps named by `task_app_target`."""
-    return ([BROKER] if node.broker is not None else []) + list(node.processes) + task_apps
+    """What may be killed: the broker (when the node runs its own) and its object store
+    (when durable), every service process, and the managed Task Apps named by
+    `task_app_target`."""
+    own = [BROKER] if node.broker is not None else []
+    own += [OBJECT_STORE] if node.object_store is not None else []
+    return own + list(node.processes) + task_apps
 
 
 def pid_of(node: LocalNode, target: str, orgs: dict[str, Org]) -> int:
     if target == BROKER:
         assert node.broker is not None and node.broker.pid is not None, "the broker runs"
         return node.broker.pid
+    if target == OBJECT_STORE:
+        assert node.object_store is not None and node.object_store.pid is not None
+        return node.object_store.pid
     if target.startswith(TASK_APP_PREFIX):
         org_id, name = target.removeprefix(TASK_APP_PREFIX).split("/", 1)
         with GatewayClient(node.url(GATEWAY.name), orgs[org_id].token) as gateway:
@@ -72,6 +81,8 @@ def is_running(node: LocalNode, target: str, orgs: dict[str, Org]) -> bool:
     on its own and waits for supervision to start it again."""
     if target == BROKER:
         return node.broker is not None and node.broker.running
+    if target == OBJECT_STORE:
+        return node.object_store is not None and node.object_store.running
     if target.startswith(TASK_APP_PREFIX):
         try:
             pid_of(node, target, orgs)
@@ -93,6 +104,23 @@ def kill(node: LocalNode, target: str, orgs: dict[str, Org]) -> int:
             "`is_running` first (supervision starts it again)"
         ) from None
     return pid
+
+
+# What a broker that loses nothing must still hold after any kill.
+KEPT_TOPICS = (topics.JOB_REQUESTS, topics.JOB_EVENTS, topics.DEAD_LETTERS)
+
+Held = set[tuple[str, int, int, bytes]]
+
+
+async def held_records(node: LocalNode, names: tuple[str, ...] = KEPT_TOPICS) -> Held:
+    """Every record the broker holds on `names` now: (topic, partition, offset, value)."""
+    held: Held = set()
+    for name in names:
+        async with TopicReader(node.kafka_settings(), name, service="chaos-reader") as reader:
+            while not reader.caught_up.is_set():
+                records = await asyncio.wait_for(reader.fetch(timeout_ms=200), 60)
+                held |= {(r.topic, r.partition, r.offset, r.value or b"") for r in records}
+    return held
 
 
 def learner_jobs(node: LocalNode, org: Org) -> dict[str, dict] | None:

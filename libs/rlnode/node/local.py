@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlnode.bus import ensure_topics
-from rlnode.bus.localbroker import LocalBroker, free_port
+from rlnode.bus.localbroker import LocalBroker, Storage, free_port
+from rlnode.bus.objectstore import LocalObjectStore
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
 from rlnode.node.plan import (
@@ -45,8 +46,11 @@ from rlnode.service.registry import (
     ServiceSpec,
     port_offset,
 )
+from rlnode.service.settings import NodeSettings
 
 log = logging.getLogger("rlnode.node.local")
+
+OBJECT_STORE = "objectstore"  # the embedded broker's store, in `restarts` and chaos targets
 
 
 @dataclass
@@ -75,6 +79,11 @@ class NodeOptions:
     # The control host's join file (rlnode.node.roles), for a host that runs no vault: its
     # services reach the control host's broker, vault and gateways with the tokens in it.
     join: JoinInfo | None = None
+    # Where the embedded broker keeps what it holds: "durable" (rlnode's object store under
+    # <data_dir>/broker, supervised too: a broker that dies loses nothing, and one started
+    # again on the same data dir has every topic, record and offset) or "memory"; None:
+    # RLNODE_BROKER_STORAGE (default durable). docs/decisions.md says why.
+    broker_storage: Storage | None = None
 
 
 class PortInUse(RuntimeError):
@@ -108,11 +117,22 @@ def state_path(data_dir: Path) -> Path:
     return data_dir / "node.json"
 
 
+def broker_object_store(data_dir: Path) -> LocalObjectStore:
+    """The embedded broker's durable storage under a node's data dir: the objects in
+    broker/, its access key with the node's other secrets, its log with theirs."""
+    return LocalObjectStore(
+        data_dir / "broker",
+        credentials_path=data_dir / "secrets" / "objectstore.json",
+        log_path=data_dir / "logs" / "objectstore.log",
+    )
+
+
 class LocalNode:
     def __init__(self, options: NodeOptions) -> None:
         self.options = options
         self.data_dir = options.data_dir
         self.broker: LocalBroker | None = None
+        self.object_store: LocalObjectStore | None = None  # the broker's, when durable
         self.bootstrap = options.kafka_bootstrap or ""
         self.processes: dict[str, ServiceProcess] = {}
         self.admin_token = ""
@@ -142,7 +162,7 @@ class LocalNode:
         if join is not None:
             self.bootstrap = join.bootstrap
         elif not self.bootstrap:
-            self.broker = LocalBroker(host=self.options.host).start()
+            self.broker = self._embedded_broker().start()
             self.bootstrap = self.broker.bootstrap_servers
         if VAULT.name in wanted:  # topics are the control host's to make
             asyncio.run(ensure_topics(self.kafka_settings()))
@@ -205,6 +225,17 @@ class LocalNode:
             checkpoint_server_url=serving.url if serving else "",
         )
         return info.write(join_path(self.data_dir))
+
+    def _embedded_broker(self) -> LocalBroker:
+        storage = self.options.broker_storage or NodeSettings().broker_storage
+        if storage == "durable":
+            self.object_store = broker_object_store(self.data_dir).start()
+        return LocalBroker(
+            host=self.options.host,
+            log_path=self.data_dir / "logs" / "broker.log",
+            storage=storage,
+            object_store=self.object_store,
+        )
 
     @property
     def state_path(self) -> Path:
@@ -311,14 +342,25 @@ class LocalNode:
         return said
 
     def _supervise_broker(self) -> list[str]:
-        """The embedded broker keeps everything in memory: if it dies, it is started again on
-        the same port with the topics made again, and every service on the bus is started
-        again to begin from the empty topics (the learner resumes each running job from its
-        last checkpoint and issues its work again)."""
+        """A dead embedded broker is started again on the same port. On durable storage it
+        finds everything it held and the services go on (their clients reconnect); its
+        object store, if it died, is started again first. In memory the topics are made
+        again and every service on the bus is started again to begin from the empty topics
+        (the learner resumes each running job from its last checkpoint and issues its work
+        again)."""
+        said = self._supervise_object_store()
         broker = self.broker
         if broker is None or broker.running:
-            return []
-        said = [f"the broker exited with code {broker.exit_code}; starting it again"]
+            return said
+        said.append(f"the broker exited with code {broker.exit_code}; starting it again")
+        if broker.storage == "durable":
+            try:
+                broker.start()
+            except Exception as e:  # tried again next round
+                broker.stop()
+                return [*said, f"the broker could not be started again: {e}"]
+            self.restarts["broker"] = self.restarts.get("broker", 0) + 1
+            return [*said, f"broker started again (pid {broker.pid}) on its durable storage"]
         # Killed first, not stopped: what they would still send (offsets, records of the
         # dead broker's era) must not reach the new one.
         on_the_bus = {k: p for k, p in self.processes.items() if p.spec.on_the_bus}
@@ -338,6 +380,20 @@ class LocalNode:
             self.restarts[key] = self.restarts.get(key, 0) + 1
         return said
 
+    def _supervise_object_store(self) -> list[str]:
+        """The broker's object store, started again on its port and data: the broker's
+        requests meanwhile are retried (its object_store client backs off for minutes)."""
+        store = self.object_store
+        if store is None or store.running:
+            return []
+        said = [f"the broker's object store exited with code {store.exit_code}; starting it again"]
+        try:
+            store.start()
+        except Exception as e:  # tried again next round
+            return [*said, f"the object store could not be started again: {e}"]
+        self.restarts[OBJECT_STORE] = self.restarts.get(OBJECT_STORE, 0) + 1
+        return [*said, f"object store started again (pid {store.pid})"]
+
     def state(self) -> dict:
         """What `rlnode status` shows: each service's URL, pid, restarts and log."""
         return {
@@ -346,6 +402,9 @@ class LocalNode:
             "bootstrap": self.bootstrap,
             "broker_pid": self.broker.pid if self.broker else None,
             "broker_restarts": self.restarts.get("broker", 0),
+            "broker_storage": self.broker.storage if self.broker else None,
+            "objectstore_pid": self.object_store.pid if self.object_store else None,
+            "objectstore_restarts": self.restarts.get(OBJECT_STORE, 0),
             "plan": [
                 {"role": role, "gpus": gpus, "runs": runs}
                 for role, gpus, runs in (self.options.plan or make_plan(0)).rows()
@@ -364,7 +423,8 @@ class LocalNode:
         }
 
     def stop(self) -> dict[str, int]:
-        """Stop the services (consumers of others first), then the broker; exit codes."""
+        """Stop the services (consumers of others first), then the broker, then its store;
+        exit codes."""
         codes = {}
         for key in reversed(list(self.processes)):
             codes[key] = self.processes[key].stop()
@@ -372,6 +432,9 @@ class LocalNode:
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
+        if self.object_store is not None:
+            self.object_store.stop()
+            self.object_store = None
         self.state_path.unlink(missing_ok=True)
         return codes
 

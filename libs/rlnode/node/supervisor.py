@@ -17,6 +17,7 @@ from typing import TextIO
 
 import httpx
 
+from rlnode.bus.localbroker import Storage
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages.config import TopologySpec
 from rlnode.node.local import LocalNode, NodeOptions, state_path
@@ -48,6 +49,7 @@ def run_up(
     roles: tuple[str, ...] = ALL_ROLES,
     host: str = "127.0.0.1",
     join: JoinInfo | None = None,
+    broker_storage: Storage | None = None,
 ) -> int:
     data_dir = data_dir or NodeSettings().data_dir
     state = state_path(data_dir)
@@ -70,6 +72,7 @@ def run_up(
             services=services_of(roles),
             host=host,
             join=join,
+            broker_storage=broker_storage,
         )
     )
     stopping = False
@@ -81,7 +84,8 @@ def run_up(
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         node.start()  # it keeps its state in node.json
-        _say(out, f"node up: broker {node.bootstrap}, data and logs under {data_dir}")
+        storage = f" ({node.broker.storage} storage)" if node.broker else ""
+        _say(out, f"node up: broker {node.bootstrap}{storage}, data and logs under {data_dir}")
         for key, service in node.state()["services"].items():
             _say(out, f"  {key:<28} {service['url']}  (pid {service['pid']})")
         if join is None:
