@@ -25,10 +25,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
+from urllib.parse import unquote
 
 HEADER = struct.Struct(">I")  # the JSON header's length, before it
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._=-")
 _LOCKS = 64
+_REMEMBERED = 500_000  # objects' meta kept in memory for listings (~300 bytes each)
 
 
 class Precondition(Exception):
@@ -61,15 +63,7 @@ def encode_segment(segment: str) -> str:
 
 
 def decode_segment(name: str) -> str:
-    raw, i = bytearray(), 0
-    while i < len(name):
-        if name[i] == "%":
-            raw.append(int(name[i + 1 : i + 3], 16))
-            i += 3
-        else:
-            raw.append(ord(name[i]))
-            i += 1
-    return raw.decode()
+    return unquote(name, errors="strict") if "%" in name else name
 
 
 def same_etag(a: str, b: str) -> bool:
@@ -82,6 +76,7 @@ class ObjectFiles:
         self.buckets = root / "buckets"
         self.tmp = root / "tmp"
         self._locks = [threading.Lock() for _ in range(_LOCKS)]
+        self._metas: dict[tuple[str, str], ObjectMeta] = {}  # see `listed`
         for directory in (self.buckets, self.tmp):
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         # One process per directory: the key locks are this process's own.
@@ -135,12 +130,25 @@ class ObjectFiles:
                 self._ensure_dir(path.parent)
                 os.replace(tmp, path)
                 self._fsync_dir(path.parent)
+                self._remember((bucket, key), meta)
         finally:
             tmp.unlink(missing_ok=True)
         return meta
 
     def head(self, bucket: str, key: str) -> ObjectMeta | None:
         return self._read_meta(self._path(bucket, key), key)
+
+    def listed(self, bucket: str, key: str) -> ObjectMeta | None:
+        """`head`, from memory when this process has read or written it already: the broker
+        lists a partition's every record batch on each fetch. Exact, as every write goes
+        through this process (the lock file) and updates it under the key's lock."""
+        if (meta := self._metas.get((bucket, key))) is not None:
+            return meta
+        with self._lock(bucket, key):
+            meta = self.head(bucket, key)
+            if meta is not None:
+                self._remember((bucket, key), meta)
+            return meta
 
     def get(self, bucket: str, key: str) -> tuple[ObjectMeta, BinaryIO] | None:
         """The object's meta, and the open file at the start of its body (one snapshot:
@@ -159,6 +167,7 @@ class ObjectFiles:
         """Gone (S3 answers a delete of a missing key the same way)."""
         path = self._path(bucket, key)
         with self._lock(bucket, key):
+            self._metas.pop((bucket, key), None)
             try:
                 path.unlink()
             except FileNotFoundError:
@@ -225,6 +234,11 @@ class ObjectFiles:
         if any(len(name) > 255 for name in names):
             raise InvalidKey(f"a segment of {key[:80]!r} is too long (255 bytes once encoded)")
         return self._bucket(bucket).joinpath(*names)
+
+    def _remember(self, name: tuple[str, str], meta: ObjectMeta) -> None:
+        if len(self._metas) >= _REMEMBERED:  # bounded: start again rather than grow
+            self._metas.clear()
+        self._metas[name] = meta
 
     def _lock(self, bucket: str, key: str) -> threading.Lock:
         return self._locks[hash((bucket, key)) % _LOCKS]

@@ -265,7 +265,7 @@ def _list(files: ObjectFiles, bucket: str, params: dict[str, str]) -> web.Respon
             prefixes.append(group)
             last = group
             continue
-        meta = files.head(bucket, key)
+        meta = files.listed(bucket, key)
         if meta is not None:  # else deleted while listing
             contents.append(meta)
             last = key
