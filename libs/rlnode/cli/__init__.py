@@ -17,6 +17,7 @@ rlnode job start CONFIG [--watch] | watch ID | list | status ID | cancel ID | pl
 rlnode job export ID --to tensorboard --out DIR   replay a job into a tracker
 rlnode infer JOB@STEP "prompt"  ask a checkpoint (STEP may be `latest`)
 rlnode events [--job ID] [--follow] [--json]  your org's job events, for shell users
+rlnode trainer-ranks --join ADDR:PORT  lend this host's devices to a learner's jobs (torchrun)
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import sys
 from rlnode import __version__
 from rlnode.bus import BusError
 from rlnode.bus.localbroker import BrokerBinaryMissing, BrokerStartError
-from rlnode.cli import job, node, taskapp, vault
+from rlnode.cli import job, node, ranks, taskapp, vault
 from rlnode.node.local import PortInUse
 from rlnode.node.plan import PlanError
 from rlnode.node.processes import ServiceFailed
@@ -50,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     vault.register(commands)
     taskapp.register(commands)
     job.register(commands)
+    ranks.register(commands)
     args = parser.parse_args(argv)
     # A failure is reported as one line below; the Kafka client's own connection errors
     # would only repeat it, in its words.

@@ -1,17 +1,26 @@
 """Data parallelism for a service that owns the training loop: the calling process is rank 0
-and drives the loop; ranks 1..N-1 are spawned worker processes that hold their shard of the
-model (FSDP2, see `rlnode.training.trainer`) and follow rank 0's commands (a step on this
-batch, score the probe, gather the weights, save or load a checkpoint), each training on its
-share of the batch. NCCL on GPUs, gloo on the CPU.
+and drives the loop; the other ranks hold their shard of the model (FSDP2, see
+`rlnode.training.trainer`) and follow rank 0's commands (a step on this batch, score the
+probe, gather the weights, save or load a checkpoint), each training on its share of the
+batch. NCCL on GPUs, gloo on the CPU.
 
-Every command is collective (the ranks gather each other's shards); rank 0 writes the files."""
+The other ranks are spawned worker processes on this host (one per further device), and,
+with rank hosts (`rlnode.training.rank_hosts`), the long-lived ranks other hosts lend
+through the learner's rendezvous: they come after this host's in rank order.
+
+Every command is collective (the ranks gather each other's shards); rank 0 writes the files.
+A rank that exits, stops answering or fails makes every later call raise `DataParallelError`
+naming it; `close` then ends the job's ranks without waiting on them."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import logging
 import os
 import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any
@@ -21,20 +30,15 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlnode.training.grpo import Sample
+from rlnode.training.rank_hosts import DataParallelError, RankHub, RemoteRanks, backend_for
 from rlnode.training.trainer import StepMetrics, Trainer, TrainerConfig
+
+__all__ = ["COLLECTIVE_TIMEOUT", "DataParallelError", "DataParallelTrainer"]
 
 log = logging.getLogger("rlnode.training.distributed")
 
 # A collective waits this long for a rank that went away before it fails (instead of hanging).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-
-
-class DataParallelError(RuntimeError):
-    pass
-
-
-def _backend(devices: list[str]) -> str:
-    return "nccl" if all(d.startswith("cuda") for d in devices) else "gloo"
 
 
 def _free_port() -> int:
@@ -43,16 +47,40 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _init(rank: int, world: int, port: int, devices: list[str]) -> None:
-    device = devices[rank]
+@dataclass(frozen=True)
+class _Rendezvous:
+    """How this host's ranks meet: rank 0 hosting a store on a loopback port (alone), or
+    through the rank hosts' store under a job's prefix."""
+
+    backend: str
+    world: int
+    timeout: datetime.timedelta
+    port: int | None = None
+    store_address: tuple[str, int] | None = None
+    prefix: str = ""
+
+
+def _init(rank: int, device: str, rendezvous: _Rendezvous, store: dist.Store | None) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
+    if rendezvous.store_address is None:
+        dist.init_process_group(
+            rendezvous.backend,
+            init_method=f"tcp://127.0.0.1:{rendezvous.port}",
+            rank=rank,
+            world_size=rendezvous.world,
+            timeout=rendezvous.timeout,
+        )
+        return
+    if store is None:  # a spawned rank: a client of the learner's store
+        address, port = rendezvous.store_address
+        store = dist.TCPStore(address, port, is_master=False, timeout=rendezvous.timeout)
     dist.init_process_group(
-        _backend(devices),
-        init_method=f"tcp://127.0.0.1:{port}",
+        rendezvous.backend,
+        store=dist.PrefixStore(rendezvous.prefix + "pg/", store),
         rank=rank,
-        world_size=world,
-        timeout=COLLECTIVE_TIMEOUT,
+        world_size=rendezvous.world,
+        timeout=rendezvous.timeout,
     )
 
 
@@ -64,16 +92,15 @@ def _receive() -> tuple[str, Any]:
 
 def _worker(
     rank: int,
-    world: int,
-    port: int,
+    rendezvous: _Rendezvous,
     model_path: str,
     config: TrainerConfig,
     devices: list[str],
     reference_on_trainer: bool,
     reference_device: str | None,
 ) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    _init(rank, world, port, devices)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
+    _init(rank, devices[rank], rendezvous, None)
     try:
         trainer = Trainer(
             model_path,
@@ -92,8 +119,9 @@ def _worker(
 
 
 class DataParallelTrainer:
-    """A `Trainer` over several devices (`devices[0]` is this process's). Offers the same
-    methods as `Trainer`; with one device it is a plain `Trainer` with no processes."""
+    """A `Trainer` over several devices (`devices[0]` is this process's), and over the ranks
+    the hosts of `rank_hosts` lend. Offers the same methods as `Trainer`; with one device
+    and no rank hosts it is a plain `Trainer` with no processes."""
 
     def __init__(
         self,
@@ -103,11 +131,12 @@ class DataParallelTrainer:
         *,
         reference_on_trainer: bool = False,
         reference_device: str | None = None,
+        rank_hosts: RankHub | None = None,
     ) -> None:
         if not devices:
             raise DataParallelError("data parallelism needs at least one device")
-        if config.lora is not None and len(devices) > 1:  # before any rank starts
-            raise ValueError(
+        if config.lora is not None and (len(devices) > 1 or rank_hosts is not None):
+            raise ValueError(  # before any rank starts
                 "LoRA over several training devices is not supported yet (FSDP2 with PEFT's "
                 "adapters is untested here): train on one (topology.training_gpus = 1)"
             )
@@ -116,18 +145,50 @@ class DataParallelTrainer:
                 "a process group exists already in this process: one data-parallel job at a time"
             )
         self.devices = list(devices)
-        self.world = len(devices)
+        self.remote: RemoteRanks | None = None
         self._workers: list[BaseProcess] = []
+        self._broken = False
+        self.world = len(devices)
+        try:
+            self._start(model_path, config, reference_on_trainer, reference_device, rank_hosts)
+        except BaseException:
+            self._broken = True
+            self.close()
+            raise
+
+    def _start(
+        self,
+        model_path: Path | str,
+        config: TrainerConfig,
+        reference_on_trainer: bool,
+        reference_device: str | None,
+        rank_hosts: RankHub | None,
+    ) -> None:
+        if rank_hosts is not None:
+            # Rank hosts put a reference beside their policy (the learner's devices are not
+            # theirs); the model must be where they can load it too (by path or hub id).
+            spec = (str(model_path), config, reference_on_trainer, Path(model_path).exists())
+            self.remote = rank_hosts.claim(self.devices, spec)
+            self.world += len(self.remote)
+            rendezvous = _Rendezvous(
+                backend_for(self.devices + self.remote.devices()),
+                self.world,
+                datetime.timedelta(seconds=rank_hosts.timeout_s),
+                store_address=(rank_hosts.address, rank_hosts.port),
+                prefix=self.remote.prefix,
+            )
+        else:
+            rendezvous = _Rendezvous(
+                backend_for(self.devices), self.world, COLLECTIVE_TIMEOUT, port=_free_port()
+            )
         if self.world > 1:
-            port = _free_port()
             context = mp.get_context("spawn")
-            for rank in range(1, self.world):
+            for rank in range(1, len(self.devices)):
                 process = context.Process(
                     target=_worker,
                     args=(
                         rank,
-                        self.world,
-                        port,
+                        rendezvous,
                         str(model_path),
                         config,
                         self.devices,
@@ -139,7 +200,8 @@ class DataParallelTrainer:
                 )
                 process.start()
                 self._workers.append(process)
-            _init(0, self.world, port, self.devices)
+            with self._collective():
+                _init(0, self.devices[0], rendezvous, rank_hosts.store if rank_hosts else None)
         self.trainer = Trainer(
             model_path,
             config,
@@ -147,56 +209,108 @@ class DataParallelTrainer:
             reference_on_trainer=reference_on_trainer,
             reference_device=reference_device,
         )
+        if self.remote is not None and rank_hosts is not None:
+            self.remote.wait_for("ready", rank_hosts.timeout_s, "did not build its trainer")
 
     def __getattr__(self, name: str) -> Any:
         # tokenizer, config, steps: the same on every rank.
         return getattr(self.__dict__["trainer"], name)
 
+    def _exited(self) -> list[str]:
+        return [w.name or "" for w in self._workers if not w.is_alive()]
+
+    @contextlib.contextmanager
+    def _collective(self) -> Iterator[None]:
+        """A failure inside a collective leaves the ranks out of step: name the ranks that
+        went away (or failed) when there are some."""
+        try:
+            yield
+        except DataParallelError:
+            self._broken = True
+            raise
+        except Exception as e:
+            if self.world == 1:
+                raise
+            self._broken = True
+            if self.remote is not None:
+                diagnosis = self.remote.diagnose(
+                    e, lambda: [f"training {name} exited" for name in self._exited()]
+                )
+                if diagnosis is e:
+                    raise
+                raise diagnosis from e
+            exited = self._exited()
+            if exited:
+                raise DataParallelError(
+                    f"training rank(s) {', '.join(exited)} exited; the job cannot go on "
+                    "data parallel"
+                ) from e
+            raise
+
     def _command(self, command: str, argument: Any = None) -> None:
         if self.world == 1:
             return
-        dead = [w.name for w in self._workers if not w.is_alive()]
+        if self._broken:
+            raise DataParallelError("the training ranks are out of step after a failure")
+        dead = self._exited()
         if dead:
+            self._broken = True
             raise DataParallelError(
                 f"training rank(s) {', '.join(dead)} exited; the job cannot go on data parallel"
             )
-        dist.broadcast_object_list([(command, argument)], src=0)
+        with self._collective():
+            if self.remote is not None:
+                self.remote.check()
+                self.remote.ring(command)
+            dist.broadcast_object_list([(command, argument)], src=0)
+
+    def _run(self, command: str, *argument: Any) -> Any:
+        self._command(command, argument)
+        with self._collective():
+            return getattr(self.trainer, command)(*argument)
 
     def step(self, samples: list[Sample]) -> StepMetrics:
         if len(samples) < self.world:
             raise ValueError(
                 f"{len(samples)} sample(s) cannot be split over {self.world} training devices"
             )
-        self._command("step", (samples,))
-        return self.trainer.step(samples)
+        metrics: StepMetrics = self._run("step", samples)
+        return metrics
 
     def score(self, token_ids: list[int]) -> list[float]:
-        self._command("score", (token_ids,))
-        return self.trainer.score(token_ids)
+        scores: list[float] = self._run("score", token_ids)
+        return scores
 
     def save_weights(self, path: Path, dtype: str = "float32") -> tuple[str, int]:
-        self._command("save_weights", (path, dtype))
-        return self.trainer.save_weights(path, dtype)
+        written: tuple[str, int] = self._run("save_weights", path, dtype)
+        return written
 
     def save_checkpoint(self, directory: Path, state: dict[str, Any]) -> Path:
-        self._command("save_checkpoint", (directory, state))
-        return self.trainer.save_checkpoint(directory, state)
+        saved: Path = self._run("save_checkpoint", directory, state)
+        return saved
 
     def load_checkpoint(self, directory: Path) -> dict[str, Any]:
-        self._command("load_checkpoint", (directory,))
-        return self.trainer.load_checkpoint(directory)
+        loaded: dict[str, Any] = self._run("load_checkpoint", directory)
+        return loaded
 
     def close(self) -> None:
-        if self.world == 1:
+        """End the job on every rank: "stop" when they are in step, else the rank hosts are
+        told to abort and this host's workers are ended at once."""
+        if self.world == 1 and self.remote is None:
             return
         try:
-            self._command("stop")
+            if not self._broken:
+                self._command("stop")
         except DataParallelError:
             pass
         finally:
+            if self.remote is not None and self._broken:
+                with contextlib.suppress(dist.DistError):
+                    self.remote.abort()
             for worker in self._workers:
-                worker.join(timeout=30)
+                worker.join(timeout=1 if self._broken else 30)
                 if worker.is_alive():
                     worker.kill()
+                    worker.join()
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -45,7 +45,7 @@ from rlnode.service.registry import LEARNER
 from rlnode.service.stores import job_dir
 from rlnode.trackers.live import LiveTrackers
 from rlnode.training.breaker import Probe, TaskAppBreaker, TaskAppDown
-from rlnode.training.distributed import DataParallelTrainer
+from rlnode.training.distributed import DataParallelError, DataParallelTrainer
 from rlnode.training.evaluation import (
     EvalRound,
     eval_message,
@@ -59,6 +59,7 @@ from rlnode.training.grpo import TIED, group_advantages, sample_batch
 from rlnode.training.losses import loss_class
 from rlnode.training.losses.dapo import overlong_shaped
 from rlnode.training.model_source import with_imported_model
+from rlnode.training.rank_hosts import RankHub
 from rlnode.training.samples import describe, pick
 from rlnode.training.storage import (
     StoreWriteFailed,
@@ -121,6 +122,7 @@ class JobRunner:
         disk_full_wait_s: float = 600.0,
         samples_per_work: int = 16,
         model_store: Path | None = None,
+        rank_hosts: RankHub | None = None,
     ) -> None:
         """`weights_dir`: the weights store, where weight versions go when it has room
         (None: beside the checkpoints); `weights_dtype`: the engines' dtype, which they are
@@ -129,11 +131,14 @@ class JobRunner:
         `disk_full_wait_s`: how long a write waits for room in a full store before the job
         fails (rlnode.training.storage); `samples_per_work`: samples of a group in one work
         item (a generator runs them together; fewer spread a group over more generators);
-        `model_store`: where a GGUF model.source is imported to (None: GGUF is not taken)."""
+        `model_store`: where a GGUF model.source is imported to (None: GGUF is not taken);
+        `rank_hosts`: the rendezvous of other hosts' training ranks, which the job trains on
+        beside `devices` (rlnode.training.rank_hosts)."""
         self.job_id, self.org_id, self.config = job_id, org_id, config
         self.transport = transport
         self.root = job_dir(checkpoint_root, org_id, job_id)
         self.devices = devices
+        self.rank_hosts = rank_hosts
         self.reference_device = reference_device
         self.weights_root = weights_dir
         self.weights_dtype = weights_dtype
@@ -230,10 +235,14 @@ class JobRunner:
             return
         try:
             self.trainer = await self._start_trainer()
+        except DataParallelError as e:  # a rank host missing, or unable to load the model
+            raise JobFailed(f"the training ranks could not start: {e}") from None
         except ValueError as e:  # the config does not fit the model (e.g. LoRA targets)
             raise JobFailed(f"the model cannot be trained as configured: {e}") from None
         try:
             await self._run()
+        except DataParallelError as e:  # a rank exited or stopped answering
+            raise JobFailed(f"training stopped at step {self.step}: {e}") from None
         finally:
             await self._on_trainer_thread(self.trainer.close)
             self._trainer_thread.shutdown(wait=False)
@@ -251,6 +260,7 @@ class JobRunner:
             reference_device=self.reference_device
             if self.config.topology.reference == "dedicated"
             else None,
+            rank_hosts=self.rank_hosts,
         )
 
     async def _on_trainer_thread(self, function: Callable[..., T], *args: Any, **kw: Any) -> T:

@@ -35,6 +35,7 @@ from rlnode.service.db_outage import message as outage_message
 from rlnode.service.db_outage import unreachable
 from rlnode.service.supervised import Background
 from rlnode.training.loop import JobCancelled, JobFailed, JobRunner
+from rlnode.training.rank_hosts import RankHub
 from rlnode.training.transport import BusTransport
 from rlnode_services.learner.intake import JobIntake
 from rlnode_services.learner.probe import task_app_probe
@@ -61,8 +62,22 @@ class JobManager:
         # died, and it starts again (the job resumes from its last checkpoint).
         self.drivers = Background()
         self.holding: set[str] = set()  # jobs whose driver runs or waits to run again
+        # Other hosts' training ranks join through the rendezvous this learner hosts for as
+        # long as it runs (rlnode.training.rank_hosts).
+        self.rank_hosts = (
+            RankHub(
+                settings.rendezvous,
+                settings.rank_host_list,
+                join_timeout_s=settings.rank_join_timeout_s,
+                timeout_s=settings.rank_timeout_s,
+                interface=settings.socket_ifname,
+            )
+            if settings.rank_host_list and settings.rendezvous
+            else None
+        )
         # A data-parallel job holds the process group (one per process): one job at a time.
-        self.capacity = 1 if len(settings.device_list) > 1 else settings.max_running_jobs
+        parallel = len(settings.device_list) > 1 or self.rank_hosts is not None
+        self.capacity = 1 if parallel else settings.max_running_jobs
         self.trajectories: Subscription[Trajectory] | None = None
         create_tables(engine, *TABLES)
 
@@ -180,6 +195,7 @@ class JobManager:
             disk_full_wait_s=self.settings.disk_full_wait_s,
             samples_per_work=self.settings.samples_per_work,
             model_store=self.settings.node.model_dir,
+            rank_hosts=self.rank_hosts,
             probe=task_app_probe(self.settings, record.org_id, config.task_app.name),
         )
 

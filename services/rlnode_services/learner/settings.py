@@ -6,13 +6,14 @@ import re
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.messages.rollouts import MAX_SAMPLES_PER_WORK
 from rlnode.messages.topics import LEARNER_GROUP
 from rlnode.service.registry import GATEWAY, LEARNER
 from rlnode.service.settings import VaultClientSettings
+from rlnode.training.network import split_endpoint
 
 SERVICE = LEARNER
 
@@ -29,6 +30,39 @@ class LearnerSettings(VaultClientSettings):
             "Training devices, comma-separated: one is a plain trainer, several are data "
             "parallel (e.g. 'cuda:0,cuda:1'; 'cpu,cpu' runs 2 gloo ranks on the CPU)."
         ),
+    )
+    rank_hosts: str = Field(
+        "",
+        description="Other hosts that lend training ranks, comma-separated, each as it names "
+        "itself (its address toward the learner, or `rlnode trainer-ranks --host`): every job "
+        "trains on LEARNER_DEVICES (rank 0 first) and on every rank these hosts lend, all of "
+        "which must be there when it starts. Needs LEARNER_RENDEZVOUS.",
+    )
+    rendezvous: str | None = Field(
+        None,
+        description="address:port the learner listens on for rank hosts (the c10d store their "
+        "torchrun joins, `--rdzv-endpoint`; `rlnode trainer-ranks --join` there), on the "
+        "network they reach it by: not 127.0.0.1 when they are elsewhere. E.g. 10.0.0.1:29400.",
+    )
+    socket_ifname: str | None = Field(
+        None,
+        description="The network interface of the training ranks' collectives on this host "
+        "(GLOO_SOCKET_IFNAME, NCCL_SOCKET_IFNAME) when rank hosts take part; default: "
+        "GLOO_SOCKET_IFNAME when set, else the interface holding the LEARNER_RENDEZVOUS "
+        "address.",
+    )
+    rank_join_timeout_s: float = Field(
+        60.0,
+        gt=0,
+        description="How long a job waits for every rank host to be there when it starts; "
+        "past it the job fails, naming the hosts that are missing.",
+    )
+    rank_timeout_s: float = Field(
+        600.0,
+        gt=0,
+        description="Longest wait of one collective with rank hosts (and of their loading the "
+        "model) before the job fails naming the rank; a rank host that exits or stops its "
+        "heartbeat is found within seconds.",
     )
     reference_device: str | None = Field(
         None,
@@ -103,6 +137,30 @@ class LearnerSettings(VaultClientSettings):
             raise ValueError(f"a GPU appears twice in {value!r}: each rank needs its own")
         return ",".join(devices)
 
+    @field_validator("rank_hosts")
+    @classmethod
+    def _distinct_hosts(cls, value: str) -> str:
+        hosts = [h.strip() for h in value.split(",") if h.strip()]
+        if len(set(hosts)) != len(hosts):
+            raise ValueError(f"a rank host appears twice in {value!r}")
+        return ",".join(hosts)
+
+    @field_validator("rendezvous")
+    @classmethod
+    def _endpoint(cls, value: str | None) -> str | None:
+        if value is not None:
+            split_endpoint(value)
+        return value
+
+    @model_validator(mode="after")
+    def _rank_hosts_need_a_rendezvous(self) -> LearnerSettings:
+        if self.rank_hosts and self.rendezvous is None:
+            raise ValueError(
+                "LEARNER_RANK_HOSTS needs LEARNER_RENDEZVOUS: the address:port the rank hosts "
+                "join (e.g. 10.0.0.1:29400)"
+            )
+        return self
+
     @field_validator("reference_device")
     @classmethod
     def _known_reference_device(cls, value: str | None) -> str | None:
@@ -119,6 +177,10 @@ class LearnerSettings(VaultClientSettings):
     @property
     def device_list(self) -> list[str]:
         return self.devices.split(",")
+
+    @property
+    def rank_host_list(self) -> list[str]:
+        return self.rank_hosts.split(",") if self.rank_hosts else []
 
 
 def _check_device(device: str) -> None:
