@@ -99,6 +99,21 @@ def test_listing_is_in_key_order_with_prefixes(tmp_path) -> None:
         assert (got[0].size, body.read()) == (5, b"a/c/d")
 
 
+def test_a_listing_read_once_follows_later_writes_and_deletes(tmp_path) -> None:
+    files = ObjectFiles(tmp_path)
+    files.create_bucket("b")
+    for key in ("r/1", "r/3"):
+        files.put("b", key, b"x", {})
+    assert list(files.walk("b", "r/", "", group_dirs=True)) == ["r/1", "r/3"]
+    files.put("b", "r/2", b"x", {})
+    files.put("b", "r/sub/4", b"x", {})
+    files.delete("b", "r/1")
+    files.put("b", "r/3", b"again", {})  # replaced: listed once
+    assert list(files.walk("b", "r/", "", group_dirs=True)) == ["r/2", "r/3", "r/sub/"]
+    assert list(files.walk("b", "r/", "r/2", group_dirs=False)) == ["r/3", "r/sub/4"]
+    assert list(files.walk("b", "r/", "r/sub/", group_dirs=False)) == ["r/sub/4"]
+
+
 def test_one_compare_and_swap_wins(tmp_path) -> None:
     files = ObjectFiles(tmp_path)
     files.create_bucket("b")

@@ -21,6 +21,7 @@ import struct
 import threading
 import time
 import uuid
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ HEADER = struct.Struct(">I")  # the JSON header's length, before it
 _SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._=-")
 _LOCKS = 64
 _REMEMBERED = 500_000  # objects' meta kept in memory for listings (~300 bytes each)
+_REMEMBERED_DIRS = 20_000  # directories whose entries are kept in memory
 
 
 class Precondition(Exception):
@@ -66,6 +68,14 @@ def decode_segment(name: str) -> str:
     return unquote(name, errors="strict") if "%" in name else name
 
 
+Child = tuple[str, str, bool]  # (segment, "/"-ended for a directory; file name; directory?)
+
+
+def _child(name: str) -> Child:
+    is_dir = name[:1] == "d"
+    return decode_segment(name[1:]) + ("/" if is_dir else ""), name, is_dir
+
+
 def same_etag(a: str, b: str) -> bool:
     return a.strip().strip('"') == b.strip().strip('"')
 
@@ -77,6 +87,8 @@ class ObjectFiles:
         self.tmp = root / "tmp"
         self._locks = [threading.Lock() for _ in range(_LOCKS)]
         self._metas: dict[tuple[str, str], ObjectMeta] = {}  # see `listed`
+        self._dirs: dict[Path, list[Child]] = {}  # see `_children`
+        self._listing = threading.Lock()
         for directory in (self.buckets, self.tmp):
             directory.mkdir(parents=True, exist_ok=True, mode=0o700)
         # One process per directory: the key locks are this process's own.
@@ -131,6 +143,8 @@ class ObjectFiles:
                 os.replace(tmp, path)
                 self._fsync_dir(path.parent)
                 self._remember((bucket, key), meta)
+                if current is None:
+                    self._added(path.parent, path.name)
         finally:
             tmp.unlink(missing_ok=True)
         return meta
@@ -172,6 +186,7 @@ class ObjectFiles:
                 path.unlink()
             except FileNotFoundError:
                 return
+            self._removed(path.parent, path.name)
             self._fsync_dir(path.parent)
 
     def walk(self, bucket: str, prefix: str, after: str, group_dirs: bool) -> Iterator[str]:
@@ -189,13 +204,13 @@ class ObjectFiles:
     def _walk(
         self, directory: Path, at: str, prefix: str, after: str, group_dirs: bool
     ) -> Iterator[str]:
-        children = []
-        for name in os.listdir(directory):
-            if name[:1] == "o":
-                children.append((at + decode_segment(name[1:]), name, False))
-            elif name[:1] == "d":
-                children.append((at + decode_segment(name[1:]) + "/", name, True))
-        for key, name, is_dir in sorted(children):
+        children = self._children(directory)
+        # Start at the first entry after `after`, or at the directory that holds it.
+        start = bisect_right(children, after, key=lambda child: at + child[0])
+        if start and children[start - 1][2] and after.startswith(at + children[start - 1][0]):
+            start -= 1
+        for segment, name, is_dir in children[start:]:
+            key = at + segment
             if is_dir:
                 # Skip what cannot hold a key with the prefix or after `after`.
                 if not (key.startswith(prefix) or prefix.startswith(key)):
@@ -209,6 +224,37 @@ class ObjectFiles:
                 yield from self._walk(directory / name, key, prefix, after, group_dirs)
             elif key.startswith(prefix) and key > after:
                 yield key
+
+    def _children(self, directory: Path) -> list[Child]:
+        """A directory's entries in key order, kept in memory once read (the broker lists
+        the same partitions' records on every fetch) and updated by every write here."""
+        with self._listing:
+            cached = self._dirs.get(directory)
+            if cached is None:
+                if len(self._dirs) >= _REMEMBERED_DIRS:
+                    self._dirs.clear()
+                names = os.listdir(directory)
+                cached = sorted(_child(name) for name in names if name[:1] in ("o", "d"))
+                self._dirs[directory] = cached
+            return list(cached)
+
+    def _added(self, directory: Path, name: str) -> None:
+        with self._listing:
+            cached = self._dirs.get(directory)
+            child = _child(name)
+            if cached is not None:
+                at = bisect_left(cached, child)
+                if at == len(cached) or cached[at] != child:
+                    cached.insert(at, child)
+
+    def _removed(self, directory: Path, name: str) -> None:
+        with self._listing:
+            cached = self._dirs.get(directory)
+            child = _child(name)
+            if cached is not None:
+                at = bisect_left(cached, child)
+                if at < len(cached) and cached[at] == child:
+                    del cached[at]
 
     def _holds_objects(self, directory: Path) -> bool:
         for name in os.listdir(directory):
@@ -265,6 +311,7 @@ class ObjectFiles:
         except FileExistsError:
             return
         self._fsync_dir(path.parent)
+        self._added(path.parent, path.name)
 
     @staticmethod
     def _fsync_dir(path: Path) -> None:

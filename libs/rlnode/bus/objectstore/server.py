@@ -281,18 +281,32 @@ def _list(files: ObjectFiles, bucket: str, params: dict[str, str]) -> web.Respon
     if truncated:
         next_token = base64.urlsafe_b64encode(last.encode()).decode()
         parts.append(f"<NextContinuationToken>{next_token}</NextContinuationToken>")
-    for meta in contents:
-        modified = datetime.fromtimestamp(meta.mtime, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
-        parts.append(
-            f"<Contents><Key>{escape(show(meta.key))}</Key><LastModified>{modified}Z"
-            f"</LastModified><ETag>{escape(meta.etag)}</ETag><Size>{meta.size}</Size>"
-            "<StorageClass>STANDARD</StorageClass></Contents>"
-        )
+    parts += [_contents(meta, url) for meta in contents]
     parts += [
         f"<CommonPrefixes><Prefix>{escape(show(p))}</Prefix></CommonPrefixes>" for p in prefixes
     ]
     parts.append("</ListBucketResult>")
     return _xml(200, "".join(parts))
+
+
+_RENDERED: dict[tuple[str, str, float, bool], str] = {}
+
+
+def _contents(meta: ObjectMeta, url: bool) -> str:
+    """An object's <Contents> in a listing, rendered once (the broker lists the same
+    record batches on every fetch)."""
+    name = (meta.key, meta.etag, meta.mtime, url)
+    if (rendered := _RENDERED.get(name)) is None:
+        if len(_RENDERED) >= 500_000:
+            _RENDERED.clear()
+        key = quote(meta.key, safe="/") if url else meta.key
+        modified = datetime.fromtimestamp(meta.mtime, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3]
+        rendered = _RENDERED[name] = (
+            f"<Contents><Key>{escape(key)}</Key><LastModified>{modified}Z"
+            f"</LastModified><ETag>{escape(meta.etag)}</ETag><Size>{meta.size}</Size>"
+            "<StorageClass>STANDARD</StorageClass></Contents>"
+        )
+    return rendered
 
 
 def _delete_many(files: ObjectFiles, bucket: str, body: bytes) -> web.Response:
