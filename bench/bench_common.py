@@ -86,10 +86,14 @@ GENERATOR_ENV = {"GENERATOR_CONCURRENCY": "256", "GENERATOR_MAX_BATCH_SIZE": "25
 
 @contextmanager
 def copy_task_node(
-    directory: Path, generator_env: dict[str, str], gateways: int = 1
+    directory: Path,
+    generator_env: dict[str, str],
+    gateways: int = 1,
+    broker_storage: str | None = None,
 ) -> Iterator[tuple]:
     """A node for training benchmarks (no checkpoint-server), an org whose key is sealed
-    and uploaded, and the managed copy-task Task App registered as "copy": (node, org)."""
+    and uploaded, and the managed copy-task Task App registered as "copy": (node, org).
+    `broker_storage`: the embedded broker's, memory or durable (None: the node's default)."""
     import time
 
     from rlnode.node.local import LocalNode, NodeOptions
@@ -100,6 +104,7 @@ def copy_task_node(
             services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
             env={"rollout-generator": generator_env},
             gateways=gateways,
+            broker_storage=broker_storage,
         )
     ) as node:
         org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})

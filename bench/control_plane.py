@@ -10,15 +10,20 @@ bench/results/control_plane.{json,md}.
 
 With `--gateways 1,2,4` (the default), a node per count of gateway processes: each
 generator spreads its work items over them. `--before FILE` shows an earlier tree's result
-(its JSON) beside this run's.
+(its JSON) beside this run's. `--storages memory,durable` runs the same work on the
+embedded broker's memory engine and on its durable storage (rlnode's object store, a
+process of its own, measured too), a node each, both up, their rounds in turn, and writes
+bench/results/control_plane_storage.{json,md} instead.
 
     python bench/control_plane.py [--steps 30] [--gateways 1,2,4] [--before old.json]
+    python bench/control_plane.py --gateways 1 --storages memory,durable
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import statistics
 import tempfile
@@ -31,6 +36,9 @@ from bench_common import copy_task_node, job_config, training_arguments, write_r
 from rlnode.messages import JobEventType
 from rlnode.models.build import init_tiny_model
 from rlnode.node.chaos import BROKER, pid_of, targets, task_app_target
+from rlnode.node.local import OBJECT_STORE
+
+NAMES = {BROKER: "broker (Tansu)", OBJECT_STORE: "broker's object store"}
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -78,7 +86,7 @@ def process_pids(node, org) -> dict[str, int]:
         )
         for name in targets(node, [task_app])
     }
-    return {("broker (Tansu)" if k == BROKER else k): v for k, v in pids.items()}
+    return {NAMES.get(k, k): v for k, v in pids.items()}
 
 
 def by_service(cpu_ms: dict[str, float]) -> dict[str, float]:
@@ -100,6 +108,12 @@ def main() -> None:
         "--gateways", default="1,2,4", help="gateway counts to run, a node each (default 1,2,4)"
     )
     parser.add_argument(
+        "--storages",
+        default="durable",
+        help="the embedded broker's storage, a node each: memory, durable (the default "
+        "node's) or both, compared (memory,durable)",
+    )
+    parser.add_argument(
         "--before",
         type=Path,
         default=None,
@@ -107,6 +121,8 @@ def main() -> None:
     )
     args = parser.parse_args()
     counts = [int(c) for c in args.gateways.split(",")]
+    storages = args.storages.split(",")
+    compared = len(storages) > 1
     generator = {
         "GENERATOR_ENGINE": "instant",
         "GENERATOR_CONCURRENCY": "256",
@@ -116,21 +132,34 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "tiny", seed=0)
         for count in counts:
-            directory = Path(tmp) / f"node-{count}"
-            with copy_task_node(directory, generator, gateways=count) as (node, org):
-                pids = process_pids(node, org)
-                for round_ in range(args.repeats):
-                    result = asyncio.run(run(node, org, model, args, pids))
-                    result["gateways"] = count
-                    runs.append(result)
-                    print(
-                        f"{count} gateway(s), round {round_ + 1}: "
-                        f"{result['rollouts_per_s']:.0f} rollouts/s, "
-                        f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout",
-                        flush=True,
+            # One node per storage, up together, their rounds taken in turn: a machine whose
+            # load moves during the run moves both alike (an idle node costs ~3% of a core).
+            with contextlib.ExitStack() as nodes:
+                running = {
+                    storage: nodes.enter_context(
+                        copy_task_node(
+                            Path(tmp) / f"node-{storage}-{count}", generator, count, storage
+                        )
                     )
+                    for storage in storages
+                }
+                pids = {storage: process_pids(*running[storage]) for storage in storages}
+                for round_ in range(args.repeats):
+                    for storage, (node, org) in running.items():
+                        result = asyncio.run(run(node, org, model, args, pids[storage]))
+                        result |= {"gateways": count, "storage": storage}
+                        runs.append(result)
+                        print(
+                            f"{storage}, {count} gateway(s), round {round_ + 1}: "
+                            f"{result['rollouts_per_s']:.0f} rollouts/s, "
+                            f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout",
+                            flush=True,
+                        )
     columns = [
-        (f"{r['gateways']} gw, run {i + 1}", by_service(r["cpu_ms_per_rollout"]))
+        (
+            (f"{r['storage']}, " if compared else "") + f"{r['gateways']} gw, run {i + 1}",
+            by_service(r["cpu_ms_per_rollout"]),
+        )
         for i, r in enumerate(runs)
     ]
     before = None
@@ -172,22 +201,32 @@ def main() -> None:
         f" ({args.prompts} prompts x {args.group} samples a step), with an engine that answers "
         "at once: what the services cost around generation (goal: 2 ms in all).",
         "",
-        "| gateways | rollouts/s (median) | CPU ms per rollout (median) |",
-        "|---|---|---|",
-        *(
-            f"| {count} | "
-            f"{statistics.median(r['rollouts_per_s'] for r in runs if r['gateways'] == count):.0f} | "
-            f"{statistics.median(r['cpu_ms_per_rollout_total'] for r in runs if r['gateways'] == count):.2f} |"
-            for count in counts
-        ),
+        "| broker storage | gateways | rollouts/s (median) | CPU ms per rollout (median) "
+        "| of which the broker's (median) |",
+        "|---|---|---|---|---|",
+        *(summary(runs, storage, count) for storage in storages for count in counts),
     ]
     write_results(
-        "control_plane",
+        "control_plane_storage" if compared else "control_plane",
         args,
-        "B8: the control plane's cost per rollout (instant engine, copy-task Task App)",
+        "B8: the control plane's cost per rollout (instant engine, copy-task Task App)"
+        + (": the broker's memory engine against its durable storage" if compared else ""),
         table,
         runs=runs,
         before=before,
+    )
+
+
+def summary(runs: list[dict], storage: str, count: int) -> str:
+    """A row of medians over the runs of one storage and gateway count."""
+    mine = [r for r in runs if r["storage"] == storage and r["gateways"] == count]
+    broker = [
+        sum(v for k, v in r["cpu_ms_per_rollout"].items() if k in NAMES.values()) for r in mine
+    ]
+    return (
+        f"| {storage} | {count} | {statistics.median(r['rollouts_per_s'] for r in mine):.0f} | "
+        f"{statistics.median(r['cpu_ms_per_rollout_total'] for r in mine):.2f} | "
+        f"{statistics.median(broker):.2f} |"
     )
 
 
