@@ -13,9 +13,10 @@ import stat
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 
-from rlnode.bus import KafkaSettings, clients, ensure_topics
+from rlnode.bus import KafkaSettings, TopicReader, clients, ensure_topics
 from rlnode.bus.localbroker import BrokerBinaryMissing, BrokerStartError, LocalBroker, find_tansu
 from rlnode.bus.objectstore import LocalObjectStore
+from rlnode.messages import topics
 
 
 def test_tansu_comes_from_the_pinned_wheel() -> None:
@@ -208,3 +209,24 @@ def test_two_brokers_on_one_store_are_a_cluster_that_survives_one(tmp_path) -> N
     assert seen_by_b == [f"r{i}" for i in range(5)]
     assert got == [f"r{i}" for i in range(10)]
     assert committed == 10
+
+
+def test_a_node_started_again_on_its_data_dir_finds_its_topics(tmp_path) -> None:
+    """`rlnode down`, then `rlnode up` on the same data dir: the broker's storage is there."""
+    from rlnode.node.local import LocalNode, NodeOptions
+
+    options = NodeOptions(data_dir=tmp_path / "node", services=("credential-vault",))
+    with LocalNode(options) as first:
+        assert first.broker is not None and first.broker.storage == "durable"
+        asyncio.run(_produce(first.bootstrap, topics.JOB_REQUESTS, range(3)))
+    with LocalNode(options) as again:
+
+        async def held() -> list[str]:
+            async with TopicReader(again.kafka_settings(), topics.JOB_REQUESTS, service="t") as r:
+                records: list[str] = []
+                while not r.caught_up.is_set():
+                    records += [x.value.decode() for x in await r.fetch(timeout_ms=200)]
+                return records
+
+        assert asyncio.run(held()) == ["r0", "r1", "r2"]
+    assert (tmp_path / "node" / "secrets" / "objectstore.json").stat().st_mode & 0o077 == 0
