@@ -30,7 +30,7 @@ from rlnode.bus.objectstore.files import (
     Precondition,
     same_etag,
 )
-from rlnode.bus.objectstore.sigv4 import Credentials, SignatureError, verify
+from rlnode.bus.objectstore.sigv4 import Credentials, SignatureError, verify, verify_payload
 
 log = logging.getLogger("rlnode.objectstore")
 
@@ -69,9 +69,10 @@ def make_app(files: ObjectFiles, credentials: Credentials) -> web.Application:
     async def _handle(request: web.Request) -> web.StreamResponse:
         path, _, query = request.raw_path.partition("?")
         try:
-            body = await request.read()
             headers = {k.lower(): ",".join(request.headers.getall(k)) for k in request.headers}
-            verify(credentials, request.method, request.raw_path, headers, body)
+            verify(credentials, request.method, request.raw_path, headers)  # before the body
+            body = await request.read()
+            verify_payload(headers, body)
             bucket, _, key = unquote(path).removeprefix("/").partition("/")
             params = dict(parse_qsl(query, keep_blank_values=True))
             return await _route(files, request.method, bucket, key, params, headers, body)

@@ -66,12 +66,12 @@ def verify(
     method: str,
     raw_path: str,
     headers: Mapping[str, str],
-    body: bytes,
     now: datetime | None = None,
 ) -> None:
-    """Raise `SignatureError` unless the request is signed with `credentials`. `headers`
-    maps lower-case names to values (repeated headers joined by ","); `raw_path` is the
-    request target as sent (path and query, still percent-encoded)."""
+    """Raise `SignatureError` unless the request's headers are signed with `credentials`
+    (before its body is read: `verify_payload` then checks the body against the hash they
+    signed). `headers` maps lower-case names to values (repeated headers joined by ",");
+    `raw_path` is the request target as sent (path and query, still percent-encoded)."""
     authorization = headers.get("authorization", "")
     if not authorization:
         raise SignatureError("AccessDenied", "the request is not signed (AWS Signature V4)")
@@ -103,15 +103,10 @@ def verify(
     if abs(((now or datetime.now(UTC)) - when).total_seconds()) > MAX_SKEW_S:
         raise SignatureError("RequestTimeTooSkewed", "x-amz-date is more than 15 minutes off")
     payload_hash = headers.get("x-amz-content-sha256", "")
-    if payload_hash != UNSIGNED:
-        if not re.fullmatch(r"[0-9a-f]{64}", payload_hash):
-            raise SignatureError(
-                "InvalidRequest", "x-amz-content-sha256 must be the body's SHA-256 hex", 400
-            )
-        if not hmac.compare_digest(payload_hash, hashlib.sha256(body).hexdigest()):
-            raise SignatureError(
-                "XAmzContentSHA256Mismatch", "the body is not the one that was signed", 400
-            )
+    if payload_hash != UNSIGNED and not re.fullmatch(r"[0-9a-f]{64}", payload_hash):
+        raise SignatureError(
+            "InvalidRequest", "x-amz-content-sha256 must be the body's SHA-256 hex", 400
+        )
     path, _, query = raw_path.partition("?")
     canonical_headers = "".join(
         f"{name}:{' '.join(headers.get(name, '').split())}\n" for name in signed
@@ -135,6 +130,18 @@ def verify(
         raise SignatureError(
             "SignatureDoesNotMatch",
             "the signature does not match (wrong secret or altered request)",
+        )
+
+
+def verify_payload(headers: Mapping[str, str], body: bytes) -> None:
+    """The body is the one whose SHA-256 the verified headers carry (or they said
+    UNSIGNED-PAYLOAD)."""
+    payload_hash = headers.get("x-amz-content-sha256", "")
+    if payload_hash != UNSIGNED and not hmac.compare_digest(
+        payload_hash, hashlib.sha256(body).hexdigest()
+    ):
+        raise SignatureError(
+            "XAmzContentSHA256Mismatch", "the body is not the one that was signed", 400
         )
 
 
