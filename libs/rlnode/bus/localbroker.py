@@ -17,6 +17,7 @@ from types import TracebackType
 from typing import Literal
 
 from rlnode.bus.objectstore import BUCKET, LocalObjectStore
+from rlnode.bus.objectstore.process import open_log
 
 TANSU_ENV_VAR = "RLNODE_TANSU_BIN"
 Storage = Literal["memory", "durable"]
@@ -145,7 +146,6 @@ class LocalBroker:
             fd, name = tempfile.mkstemp(prefix="rlnode-tansu-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ)
         engine = "memory://tansu/"
         if self.object_store is not None:
@@ -157,7 +157,7 @@ class LocalBroker:
             env |= self.object_store.client_env()
             engine = f"s3://{BUCKET}/"
         url = f"tcp://{self.host}:{self.port}"
-        with open(self.log_path, "ab") as log:
+        with open_log(self.log_path) as log:
             self._proc = subprocess.Popen(
                 [
                     binary,

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import BinaryIO
 
 from rlnode.bus.objectstore.sigv4 import Credentials
 
@@ -109,11 +110,10 @@ class LocalObjectStore:
             fd, name = tempfile.mkstemp(prefix="rlnode-objectstore-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "rlnode.bus.objectstore", "--data-dir", str(self.data_dir)]
         command += ["--credentials", str(self.credentials_path), "--bucket", BUCKET]
         command += ["--host", self.host, "--port", str(self.port)]
-        with open(self.log_path, "ab") as log:
+        with open_log(self.log_path) as log:
             self._proc = subprocess.Popen(
                 command,
                 stdin=subprocess.DEVNULL,
@@ -148,6 +148,16 @@ class LocalObjectStore:
 
     def __exit__(self, *_exc) -> None:
         self.stop()
+
+
+def open_log(path: Path) -> BinaryIO:
+    """`path` opened for appending, made 0600 (in a 0700 directory if it makes one): what a
+    broker or store logs is the node's, like the rest of its data dir."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    if os.fstat(fd).st_uid == os.geteuid():  # one an earlier version left readable
+        os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
 
 
 def _free_port(host: str) -> int:
