@@ -15,7 +15,15 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from rlnode.bus import Bus, BusUnavailable, RecordTooLarge, ensure_topics
 from rlnode.bus.localbroker import LocalBroker, free_port
 from rlnode.bus.settings import KafkaSettings
-from rlnode.messages import DeadLetter, JobEvent, JobEventType, JobRequest, Trajectory, topics
+from rlnode.messages import (
+    DeadLetter,
+    JobEvent,
+    JobEventType,
+    JobRequest,
+    RolloutWork,
+    Trajectory,
+    topics,
+)
 from rlnode.messages.codec import decode, encode
 from rlnode.messages.examples import example_payloads
 from rlnode.testing import unique_id
@@ -58,7 +66,9 @@ async def test_every_message_type_round_trips(make_bus) -> None:
         )
         assert got == message
         assert type(got) is type(message)
-        assert delivery.key == job_id.encode()
+        # Keyed by job; rollout work by job and group (it spreads over the generators).
+        key = f"{job_id}/{message.group_id}" if isinstance(message, RolloutWork) else job_id
+        assert delivery.key == key.encode()
 
 
 async def test_malformed_records_are_dead_lettered_and_the_partition_moves_on(
