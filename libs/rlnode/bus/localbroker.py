@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import tempfile
@@ -16,6 +15,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Literal
 
+from rlnode.bus.children import ChildProcess, free_port
 from rlnode.bus.objectstore import BUCKET, LocalObjectStore
 from rlnode.bus.objectstore.process import open_log
 
@@ -60,12 +60,6 @@ def find_tansu() -> str:
     )
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def wait_for_port(
     host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None
 ) -> None:
@@ -81,7 +75,7 @@ def wait_for_port(
     raise BrokerStartError(f"nothing listened on {host}:{port} within {timeout_s:.0f}s")
 
 
-class LocalBroker:
+class LocalBroker(ChildProcess):
     """`with LocalBroker() as b: b.bootstrap_servers` — a broker for as long as the block runs.
 
     `storage="memory"`: everything is gone when it stops. `storage="durable"`: topics,
@@ -125,18 +119,6 @@ class LocalBroker:
     @property
     def bootstrap_servers(self) -> str:
         return f"{self.host}:{self.port}"
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
-
-    @property
-    def exit_code(self) -> int | None:
-        return self._proc.poll() if self._proc else None
 
     def start(self) -> LocalBroker:
         if self.running:
@@ -187,14 +169,7 @@ class LocalBroker:
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Stop the broker (and the store it started: after the broker, which writes to it)."""
-        proc, self._proc = self._proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout_s)
+        self._terminate(timeout_s)
         if self._owns_store and self.object_store is not None:
             self.object_store.stop(timeout_s)
 

@@ -11,7 +11,6 @@ import contextlib
 import json
 import os
 import secrets
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 from pathlib import Path
 from typing import BinaryIO
 
+from rlnode.bus.children import ChildProcess, free_port
 from rlnode.bus.objectstore.sigv4 import Credentials
 
 BUCKET = "tansu"
@@ -51,7 +51,7 @@ def read_credentials(path: Path) -> Credentials:
         raise ObjectStoreError(f"cannot read the object store's access key from {path}: {e}") from e
 
 
-class LocalObjectStore:
+class LocalObjectStore(ChildProcess):
     def __init__(
         self,
         data_dir: Path,
@@ -64,7 +64,7 @@ class LocalObjectStore:
         self.data_dir = data_dir
         self.credentials_path = credentials_path or data_dir / "credentials.json"
         self.host = host
-        self.port = port or _free_port(host)
+        self.port = port or free_port(host)
         self.log_path = log_path
         self.start_timeout_s = start_timeout_s
         self._proc: subprocess.Popen | None = None
@@ -76,18 +76,6 @@ class LocalObjectStore:
     @property
     def credentials(self) -> Credentials:
         return read_credentials(self.credentials_path)
-
-    @property
-    def running(self) -> bool:
-        return self._proc is not None and self._proc.poll() is None
-
-    @property
-    def pid(self) -> int | None:
-        return self._proc.pid if self._proc else None
-
-    @property
-    def exit_code(self) -> int | None:
-        return self._proc.poll() if self._proc else None
 
     def client_env(self) -> dict[str, str]:
         """What an object_store / AWS client needs to use this store."""
@@ -133,15 +121,7 @@ class LocalObjectStore:
         return self
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        proc, self._proc = self._proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout_s)
+        self._terminate(timeout_s)
 
     def __enter__(self) -> LocalObjectStore:
         return self.start()
@@ -158,12 +138,6 @@ def open_log(path: Path) -> BinaryIO:
     if os.fstat(fd).st_uid == os.geteuid():  # one an earlier version left readable
         os.fchmod(fd, 0o600)
     return os.fdopen(fd, "ab")
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def _listening(host: str, port: int) -> bool:
