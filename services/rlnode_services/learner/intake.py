@@ -36,6 +36,11 @@ from rlnode_services.learner.store import UsedJobToken
 LEEWAY = timedelta(seconds=LEEWAY_S)
 
 
+# A dependency's answer that says nothing of the job: 0 = no answer at all (the SDK
+# clients' status for a connection that failed), 503 = it cannot answer just now.
+UNAVAILABLE = (0, 503)
+
+
 @dataclass
 class Verdict:
     ok: bool
@@ -141,7 +146,9 @@ class JobIntake:
             with VaultClient(self.settings.vault_url, self._token) as vault:
                 vault.get_secret_info(secret, org_id)
         except VaultError as e:
-            if e.status == 503:  # the vault's database is down, say: ask again later
+            # Unreachable (restarting, say) or its database down: not a verdict on the job,
+            # ask again later (the request waits on its partition, as for a token check).
+            if e.status in UNAVAILABLE:
                 raise Retryable(e.message) from None
             if e.status == 404:
                 return Verdict(
@@ -155,7 +162,7 @@ class JobIntake:
             with GatewayClient(self.settings.gateway_url, self._token) as gateway:
                 report = gateway.verify(name, org_id)
         except GatewayError as e:
-            if e.status == 503:
+            if e.status in UNAVAILABLE:
                 raise Retryable(e.message) from None
             if e.status == 404:
                 return Verdict(
