@@ -125,3 +125,45 @@ def _alive(pid: int) -> bool:
         else "X"
     )
     return status != "Z"  # a zombie waiting for init to reap it is gone for our purposes
+
+
+def test_a_service_whose_port_another_process_answers_on_is_not_taken_for_healthy(
+    tmp_path,
+) -> None:
+    """A port picked free can be taken before the service binds it: the node must not take
+    the process that answers there (another node's service, once, in CI) for its own."""
+    import http.server
+    import json as json_
+    import threading
+
+    from rlnode.node.processes import PortTaken, ServiceProcess
+    from rlnode.service.registry import ServiceSpec
+
+    class Impostor(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            body = json_.dumps({"status": "ok", "service": "taskapp-gateway", "pid": 1}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *_args) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Impostor)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    spec = ServiceSpec("spawner", "tests.integration.spawning_service", 0, "SPAWNER_")
+    process = ServiceProcess(
+        spec,
+        server.server_address[1],
+        tmp_path / "spawner.log",
+        env={"SPAWNER_PID_FILE": str(tmp_path / "child.pid")},
+    ).start()
+    try:
+        with pytest.raises(PortTaken, match=r"answers as pid 1 \(taskapp-gateway\)"):
+            process.wait_healthy(timeout_s=30)
+        assert process.proc is not None and process.proc.poll() is not None  # not left behind
+    finally:
+        process.stop()
+        server.shutdown()

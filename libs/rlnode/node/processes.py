@@ -62,6 +62,10 @@ class ServiceFailed(RuntimeError):
     pass
 
 
+class PortTaken(ServiceFailed):
+    """Another process answers on the port this service was given."""
+
+
 class ServiceProcess:
     def __init__(
         self,
@@ -137,7 +141,7 @@ class ServiceProcess:
             try:
                 response = httpx.get(self.health_url, timeout=1.0)
                 if response.status_code == 200:
-                    return response.json()
+                    return self._own_health(response.json())
             except httpx.TransportError:
                 pass
             time.sleep(0.1)
@@ -145,6 +149,21 @@ class ServiceProcess:
             f"{self.spec.name} was not healthy at {self.url} within {timeout_s:.0f}s; "
             f"its log ({self.log_path}):\n{self.log_tail()}"
         )
+
+    def _own_health(self, body: dict[str, Any]) -> dict[str, Any]:
+        """The health of this process, not of another that answers on its port: a port
+        picked free can be taken before the service binds it (a restarted service of another
+        node on this machine took one in CI, and the node then talked to that one)."""
+        assert self.proc is not None
+        answered = body.get("pid")
+        if answered is not None and answered != self.proc.pid:
+            self.kill()
+            raise PortTaken(
+                f"{self.spec.name}: port {self.port} answers as pid {answered} "
+                f"({body.get('service')}), not as this {self.spec.name} (pid {self.proc.pid}): "
+                "another process holds the port; stop it, or pick other ports (--port-base)"
+            )
+        return body
 
     def stop(self, timeout_s: float = 20.0) -> int:
         """SIGTERM, then SIGKILL if it has not stopped within `timeout_s`; the exit code."""
