@@ -5,7 +5,8 @@ SIGKILLs a random process (the broker, a service, a managed Task App) every
 steps per minute under chaos are reported against that baseline.
 
 Reports faults injected and survived (the node healthy again before the next), jobs
-completed and failed, work items lost and trained twice (in the chain of each completed
+completed and failed (a request no learner recorded: "rejected" with the reason of its
+job.rejected event, else "request lost"), work items lost and trained twice (in the chain of each completed
 job's checkpoints, against every item its steps issue), and the longest stall (no step
 trained anywhere while jobs were running). Writes bench/results/chaos.{json,md}.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from bench_common import write_results
 
 from rlnode.examples import example_job
+from rlnode.messages import JobEvent, JobEventType
 from rlnode.models.build import init_tiny_model
 from rlnode.node import chaos
 from rlnode.node.local import LocalNode, NodeOptions, Org
@@ -89,14 +91,33 @@ class Jobs:
                     progressed = True
                 self.seen[job_id] = record
         for job_id, record in self.seen.items():
-            # A request the broker took down with it before a learner read it (README).
             waited = now - self.requested_at[job_id]
             if record["status"] == "accepted" and waited > REQUEST_LOST_AFTER_S:
-                record["status"] = "request lost"
+                # No learner record: refused (its job.rejected says why), or a request the
+                # broker took down with it before a learner read it (README).
+                try:
+                    rejected = self.rejection(self.started[job_id], job_id)
+                except Exception as e:  # the broker or vault being down: ask next round
+                    print(f"reading {job_id}'s events: {e}")
+                    continue
+                record["status"] = "rejected" if rejected else "request lost"
+                if rejected:
+                    record["reason"] = rejected
         running = any(r.get("status") in ACTIVE for r in self.seen.values())
         if progressed or not running:
             self.last_progress = now
         self.longest_stall_s = max(self.longest_stall_s, now - self.last_progress)
+
+    def rejection(self, org: Org, job_id: str) -> str | None:
+        """Why the learner refused `job_id`, from the job's own events; None if it did not."""
+
+        async def events() -> list[JobEvent]:
+            async with self.node.jobs(org, "chaos-bench") as jobs:
+                return [e async for e in jobs.events(job_id, follow=False)]
+
+        found = asyncio.run(events())
+        reasons = [e.data.get("reason", "") for e in found if e.type is JobEventType.REJECTED]
+        return (reasons[-1] or "no reason given") if reasons else None
 
     def watch(self, stop: threading.Event) -> None:
         while not stop.wait(0.5):
