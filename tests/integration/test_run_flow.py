@@ -145,6 +145,33 @@ def test_events_prints_a_jobs_events_as_json_lines(node, finished_job) -> None:
     assert {line.split()[1] for line in every.stdout.splitlines()} >= {finished_job}
 
 
+async def test_an_event_stored_twice_is_read_once(node) -> None:
+    """The learner publishes again what a broker outage left unacknowledged; when the first
+    try was stored after all, the topic holds the record twice (CI saw a durable broker's
+    SIGKILL do it). A job's events and an org's come each once all the same."""
+    from rlnode.bus import Bus
+    from rlnode.bus.signing import RecordSigner
+    from rlnode.messages import JobEvent, JobEventType
+    from rlnode.messages.jobs import CompletedData
+
+    running, org, _config, _directory = node
+    job_id = unique_id("twice")
+    signer = RecordSigner(
+        running.url("credential-vault"), running.service_token(["records:sign"], "learner")
+    )
+    started = JobEvent.of(job_id, org.org_id, "learner", JobEventType.STARTED, "started")
+    done = JobEvent.of(
+        job_id, org.org_id, "learner", JobEventType.COMPLETED, "done", CompletedData(steps=1)
+    )
+    async with Bus(running.kafka_settings(), service="learner", signer=signer) as bus:
+        await bus.publish_all([started, started, done, done])
+    async with running.jobs(org, "twice") as jobs:
+        read = [e.id async for e in jobs.events(job_id, follow=False)]
+        of_org = [e.id async for e in jobs.org_events(follow=False) if e.job_id == job_id]
+    assert read == [started.id, done.id]
+    assert of_org == [started.id, done.id]
+
+
 def test_export_replays_a_job_into_tensorboard_mlflow_and_wandb(node, finished_job) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

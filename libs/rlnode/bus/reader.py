@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections import OrderedDict
+from collections.abc import Hashable
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaConnectionError
@@ -98,3 +100,23 @@ class TopicReader:
 
     async def __aexit__(self, *_exc: object) -> None:
         await self.stop()
+
+
+class RecentIds:
+    """The ids of the last `size` records read, to read each record once. Delivery is at
+    least once: a producer that tries a publish again through a broker outage (the learner's
+    does) sends the same record, id and all, a second time when the first try was stored but
+    not acknowledged; the copy lands right after it in the same partition."""
+
+    def __init__(self, size: int = 65_536) -> None:
+        self.size = size
+        self._ids: OrderedDict[Hashable, None] = OrderedDict()
+
+    def first_time(self, record_id: Hashable) -> bool:
+        """True the first time `record_id` is seen (within the last `size`), then False."""
+        if record_id in self._ids:
+            return False
+        self._ids[record_id] = None
+        if len(self._ids) > self.size:
+            self._ids.popitem(last=False)
+        return True

@@ -23,6 +23,7 @@ from rlnode.bus.localbroker import LocalBroker, Storage, free_port
 from rlnode.bus.objectstore import LocalObjectStore
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
+from rlnode.messages import JobEvent
 from rlnode.node.plan import (
     GpuPlan,
     engine_settings,
@@ -464,6 +465,15 @@ class LocalNode:
         return JobsClient(
             org.org_id, org.token, self.kafka_settings(), service, self.url(VAULT.name)
         )
+
+    def job_events(self, org: Org, job_id: str, client: str = "sdk") -> list[JobEvent]:
+        """The job's events so far, read as `org` through this node's broker."""
+
+        async def history() -> list[JobEvent]:
+            async with self.jobs(org, client) as jobs:
+                return await jobs.history(job_id)
+
+        return asyncio.run(history())
 
     def service_token(self, scopes: list[str], service: str) -> str:
         with self.admin() as admin:

@@ -231,7 +231,7 @@ class User:
     def events(self, job_id: str) -> list[JobEvent]:
         async def events() -> list[JobEvent]:
             async with self.jobs("testhosts-watch") as jobs:
-                return [e async for e in jobs.events(job_id, follow=False)]
+                return await jobs.history(job_id)
 
         return asyncio.run(events())
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlnode.bus import Bus
-from rlnode.bus.reader import TopicReader
+from rlnode.bus.reader import RecentIds, TopicReader
 from rlnode.bus.settings import KafkaSettings
 from rlnode.bus.signing import RecordRefused, RecordVerifier
 from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, ends_the_job, topics
@@ -160,6 +160,10 @@ class JobsClient:
         ):
             yield event
 
+    async def history(self, job_id: str) -> list[JobEvent]:
+        """The job's events so far (those the topic holds now), in order."""
+        return [event async for event in self.events(job_id, follow=False)]
+
     async def org_events(self, *, follow: bool = True) -> AsyncIterator[JobEvent]:
         """Every event of this org's jobs (see `org_events`)."""
         async for event in org_events(
@@ -193,14 +197,16 @@ async def job_events(
     (forged ones are skipped). With `follow`, waits for more until the job ends; without,
     stops at the end of what the topic holds now. TimeoutError when no event of the job
     comes within `wait_first_s` of the start (a wrong id, or no learner), or none for
-    `idle_timeout_s` at any point."""
+    `idle_timeout_s` at any point. An event stored twice (published again through a broker
+    outage) comes once."""
     # A job's events all sit in the partition its id is keyed to: read only that one.
     async with TopicReader(kafka, topics.JOB_EVENTS, service=service, key=job_id) as reader:
         accepted = False
         started = last_news = time.monotonic()
         seen = False
+        once = RecentIds()
         while True:
-            for event in await _verified(reader, verifier, lambda e: e.job_id == job_id):
+            for event in await _verified(reader, verifier, lambda e: e.job_id == job_id, once):
                 last_news, seen = time.monotonic(), True
                 yield event
                 accepted = accepted or event.type is JobEventType.ACCEPTED
@@ -228,27 +234,37 @@ async def org_events(
 ) -> AsyncIterator[JobEvent]:
     """Every event of the org's jobs from the first (or from now on, without
     `from_beginning`), forged ones skipped; a job's events in order (they share a
-    partition), jobs interleaved as they come. With `follow`, waits for more until
-    cancelled; without, stops at the end of what the topic holds now."""
+    partition), jobs interleaved as they come, each once. With `follow`, waits for more
+    until cancelled; without, stops at the end of what the topic holds now."""
     async with TopicReader(
         kafka, topics.JOB_EVENTS, service=service, from_beginning=from_beginning
     ) as reader:
+        once = RecentIds()
         while True:
-            for event in await _verified(reader, verifier, lambda e: e.org_id == org_id):
+            for event in await _verified(reader, verifier, lambda e: e.org_id == org_id, once):
                 yield event
             if not follow and reader.caught_up.is_set():
                 return
 
 
 async def _verified(
-    reader: TopicReader, verifier: RecordVerifier, wanted: Callable[[JobEvent], bool]
+    reader: TopicReader,
+    verifier: RecordVerifier,
+    wanted: Callable[[JobEvent], bool],
+    once: RecentIds,
 ) -> list[JobEvent]:
-    """The next fetch's job events that are `wanted` and come from a service that may
-    produce them (anyone who can write to the topic could forge one)."""
+    """The next fetch's job events that are `wanted`, come from a service that may produce
+    them (anyone who can write to the topic could forge one) and were not read before (the
+    check comes after the signature's, so a forgery cannot hide a real event by its id)."""
     events = []
     for record in await reader.fetch():
         event = _job_event(record.value)
-        if event is not None and wanted(event) and await _from_a_service(verifier, record, event):
+        if (
+            event is not None
+            and wanted(event)
+            and await _from_a_service(verifier, record, event)
+            and once.first_time(event.id)
+        ):
             events.append(event)
     return events
 
