@@ -28,7 +28,7 @@ from pathlib import Path
 from bench_common import write_results
 
 from rlnode.examples import example_job
-from rlnode.messages import JobEvent, JobEventType
+from rlnode.messages import JobEventType
 from rlnode.models.build import init_tiny_model
 from rlnode.node import chaos
 from rlnode.node.local import LocalNode, NodeOptions, Org
@@ -110,12 +110,7 @@ class Jobs:
 
     def rejection(self, org: Org, job_id: str) -> str | None:
         """Why the learner refused `job_id`, from the job's own events; None if it did not."""
-
-        async def events() -> list[JobEvent]:
-            async with self.node.jobs(org, "chaos-bench") as jobs:
-                return [e async for e in jobs.events(job_id, follow=False)]
-
-        found = asyncio.run(events())
+        found = self.node.job_events(org, job_id, "chaos-bench")
         reasons = [e.data.get("reason", "") for e in found if e.type is JobEventType.REJECTED]
         return (reasons[-1] or "no reason given") if reasons else None
 

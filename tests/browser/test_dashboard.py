@@ -173,7 +173,7 @@ def test_a_finished_job_shows_the_sdks_numbers_its_rollouts_and_answers(page, da
         async with dashboard.node.jobs(dashboard.org, "dashboard-test") as jobs:
             job_id = await jobs.start(config, unique_id("finished"))
             await jobs.wait(job_id, idle_timeout_s=120)
-            return job_id, [e async for e in jobs.events(job_id, follow=False)]
+            return job_id, await jobs.history(job_id)
 
     job_id, events = run_async(run())
     sign_in(page, dashboard, dashboard.org.token)

@@ -23,7 +23,7 @@ import pytest
 from rlnode import testing
 from rlnode.bus import clients
 from rlnode.examples import example_job
-from rlnode.messages import JobEvent, JobEventType, topics
+from rlnode.messages import JobEventType, topics
 from rlnode.models.build import init_tiny_model
 from rlnode.node import chaos
 from rlnode.node.chaos import BROKER, Supervision, learner_jobs, task_app_target
@@ -94,11 +94,6 @@ def wait_until(check, timeout_s: float, what: str, supervision: Supervision):
         return testing.wait_until(check, timeout_s, what)
     except TimeoutError as e:
         raise AssertionError(f"{e}; supervision: {supervision.said}") from None
-
-
-async def job_events(node: LocalNode, org: Org, job_id: str) -> list[JobEvent]:
-    async with node.jobs(org, "chaos-watcher") as jobs:
-        return [e async for e in jobs.events(job_id, follow=False)]
 
 
 def dead_letter_one(node: LocalNode, supervision: Supervision) -> None:
@@ -218,7 +213,7 @@ def survives(node: Running, target: str) -> None:
     # killed trains the steps after its last checkpoint again, in a run of its own; so does
     # the learner started again with the services when a broker in memory dies, whose
     # events from before are gone with it.)
-    events = asyncio.run(job_events(running, org, job_id))
+    events = running.job_events(org, job_id, "chaos-watcher")
     starts = [i for i, e in enumerate(events) if e.type is JobEventType.STARTED]
     assert starts, [e.type for e in events]
     last_run = events[starts[-1] :]

@@ -20,7 +20,7 @@ from tests.integration.test_learner import User, start_learner, watch
 
 pytestmark = pytest.mark.asyncio
 
-STEPS = 6
+STEPS = 4
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,7 @@ async def test_a_job_runs_on_the_vllm_engine_with_every_weight_version_probed(
         steps=STEPS,
         prompts_per_step=4,
         group_size=8,
-        checkpoint_every=3,
+        checkpoint_every=2,
         max_async=1,
     )
     job_id = await user.start(config)

@@ -316,7 +316,7 @@ def test_a_generator_on_another_host_completes_a_job_on_versions_it_downloads(
                 async with node.jobs(org) as jobs:
                     job_id = await jobs.start(job)
                     await jobs.wait(job_id, idle_timeout_s=120)  # raises unless it completed
-                    return [e async for e in jobs.events(job_id, follow=False)]
+                    return await jobs.history(job_id)
 
             events = asyncio.run(run_job())
             loaded = [e for e in events if e.type is JobEventType.WEIGHTS_LOADED]
