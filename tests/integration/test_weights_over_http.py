@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import shutil
+import signal
 import stat
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -34,7 +36,7 @@ from rlnode.testing import ThreadedServer, unique_id, wait_until
 from rlnode_services.learner.weights import PublishedWeights, weights_router
 from rlnode_services.rollout_generator.engines import EnginePool, WeightsRefused
 from rlnode_services.rollout_generator.fetch import FetchFailed, WeightsFetcher
-from rlnode_services.rollout_generator.settings import GeneratorSettings
+from rlnode_services.rollout_generator.settings import GeneratorSettings, safe_name
 
 ORG, JOB = "acme", "job-http"
 
@@ -169,6 +171,27 @@ def leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.rglob("*") if p.is_file()) if directory.exists() else []
 
 
+def links_of(tmp_path: Path, generator_id: str) -> Path:
+    """Where a generator of `generator_settings` keeps its links of the host's copies."""
+    return tmp_path / "fetched" / "generators" / safe_name(generator_id)
+
+
+def host_copies(tmp_path: Path) -> list[str]:
+    """The digests of the whole versions the host holds."""
+    shared = tmp_path / "fetched" / "shared"
+    return sorted(p.name.removesuffix(".safetensors") for p in shared.glob("*.safetensors"))
+
+
+def perturbed_again(weights: Path, directory: Path) -> Path:
+    """Other bytes than `weights` (another digest), the same weights to within a float's
+    last bit: the lowest mantissa byte of the last float32 has a bit flipped."""
+    data = bytearray(weights.read_bytes())
+    data[-4] ^= 1
+    path = directory / "perturbed-again.safetensors"
+    path.write_bytes(bytes(data))
+    return path
+
+
 async def test_a_version_this_host_cannot_see_is_downloaded_checked_and_loaded(
     tmp_path, learner, tiny, perturbed, monkeypatch
 ) -> None:
@@ -181,18 +204,22 @@ async def test_a_version_this_host_cannot_see_is_downloaded_checked_and_loaded(
     assert loaded is not None and loaded.transport == "http"
     assert loaded.fetched is not None and loaded.fetched.resumes == 0
     assert engines.loaded_version == 1 and loaded.probe_max_abs_diff < 1e-4
-    fetched = tmp_path / "fetched" / ORG / JOB / "v000001.safetensors"
+    fetched = links_of(tmp_path, settings.generator_id) / ORG / JOB / "v000001.safetensors"
     assert blake3.blake3(fetched.read_bytes()).hexdigest() == first.blake3
     assert stat.S_IMODE(fetched.stat().st_mode) == 0o600
     assert stat.S_IMODE(fetched.parent.stat().st_mode) == 0o700
-    assert leftovers(tmp_path / "fetched") == ["v000001.safetensors"]  # no temporary
+    # The generator's link of the host's copy, named by its digest; no temporary.
+    assert leftovers(links_of(tmp_path, settings.generator_id)) == ["v000001.safetensors"]
+    assert host_copies(tmp_path) == [first.blake3]
+    assert fetched.samefile(tmp_path / "fetched" / "shared" / f"{first.blake3}.safetensors")
 
     # A newer version loaded: the older download goes. The job ends: all of them go.
-    second = learner.publish(2, weights, probe=probe)
+    second = learner.publish(2, perturbed_again(weights, tmp_path), probe=probe)
     assert (await pool.load(engines, second)).transport == "http"
-    assert leftovers(tmp_path / "fetched") == ["v000002.safetensors"]
+    assert leftovers(links_of(tmp_path, settings.generator_id)) == ["v000002.safetensors"]
+    assert host_copies(tmp_path) == [second.blake3]
     await pool.release(JOB)
-    assert not (tmp_path / "fetched" / ORG).exists()
+    assert leftovers(tmp_path / "fetched") == []
     await pool.close()
 
 
@@ -211,6 +238,90 @@ async def test_a_download_cut_midway_resumes_with_range_and_ends_whole(
     assert learner.cut.ranges == [None, f"bytes={size // 3}-", f"bytes={2 * (size // 3)}-"]
     fetcher.close()
     assert leftovers(tmp_path / "fetched") == []
+
+
+async def test_the_generators_of_a_host_download_a_version_once_and_each_links_it(
+    tmp_path, learner, perturbed, monkeypatch
+) -> None:
+    """An inference host runs a generator per engine: they share the host's directory, one
+    downloads while the others wait for it, and each loads a link of its own, so one
+    discarding its version does not pull the file from another."""
+    weights, _probe = perturbed
+    version = learner.publish(1, weights)
+    fetchers = [
+        WeightsFetcher(generator_settings(tmp_path, learner, monkeypatch, generator_id=name))
+        for name in ("gen0", "gen1", "gen2")
+    ]
+    fetched = await asyncio.gather(*(f.fetch(version) for f in fetchers))
+    assert learner.cut.ranges == [None]  # one GET for the three of them
+    assert sorted(f.reused for f in fetched) == [False, True, True]
+    copy = tmp_path / "fetched" / "shared" / f"{version.blake3}.safetensors"
+    assert all(f.path.samefile(copy) for f in fetched) and copy.stat().st_nlink == 4
+    assert blake3.blake3(copy.read_bytes()).hexdigest() == version.blake3
+
+    newer = version.model_copy(update={"version": 2})
+    fetchers[0].discard_older(newer)  # gen0 loaded a newer version: its link goes
+    assert not fetched[0].path.exists() and fetched[1].path.read_bytes() == copy.read_bytes()
+    fetchers[1].close()
+    assert host_copies(tmp_path) == [version.blake3]  # gen2 still links it
+    fetchers[2].discard_job(JOB)
+    assert host_copies(tmp_path) == []  # linked by none: gone
+    fetchers[0].close()
+    fetchers[2].close()
+    assert leftovers(tmp_path / "fetched") == []
+
+
+async def test_a_download_a_killed_generator_left_half_way_goes_on_from_its_bytes(
+    tmp_path, learner, perturbed, monkeypatch
+) -> None:
+    """A generator SIGKILLed while it downloads: its lock goes with its process, and the
+    generator that was waiting for the version goes on from the bytes it had written."""
+    weights, _probe = perturbed
+    version = learner.publish(1, weights)
+    settings = generator_settings(tmp_path, learner, monkeypatch, generator_id="waiting")
+    shared = settings.fetched_weights_dir / "shared"
+    shared.mkdir(parents=True)
+    half = version.size_bytes // 2
+    downloading = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        KILLED_MID_DOWNLOAD,
+        str(shared),
+        version.blake3,
+        str(weights),
+        str(half),
+        stdout=asyncio.subprocess.PIPE,
+    )
+    try:
+        assert downloading.stdout is not None
+        assert await asyncio.wait_for(downloading.stdout.readline(), 60) == b"holding\n"
+        waiting = asyncio.ensure_future(WeightsFetcher(settings).fetch(version))
+        await asyncio.sleep(0.5)
+        assert not waiting.done() and learner.cut.ranges == []  # it waits for the other
+        downloading.send_signal(signal.SIGKILL)
+        fetched = await asyncio.wait_for(waiting, 30)
+    finally:
+        if downloading.returncode is None:
+            downloading.kill()
+        await downloading.wait()
+    assert learner.cut.ranges == [f"bytes={half}-"] and not fetched.reused
+    assert blake3.blake3(fetched.path.read_bytes()).hexdigest() == version.blake3
+
+
+# A generator's download, half-way when it is killed: the digest's lock held and half the
+# file in the host's partial download.
+KILLED_MID_DOWNLOAD = """
+import sys, time
+from pathlib import Path
+from rlnode_services.rollout_generator.fetch import HostCopies
+shared, digest, weights, half = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
+copies = HostCopies(shared)
+with copies.locked(digest) as held:
+    assert held
+    copies.partial(digest).write_bytes(weights.read_bytes()[:half])
+    print("holding", flush=True)
+    time.sleep(600)
+"""
 
 
 async def test_a_download_that_keeps_breaking_is_refused_after_its_retries(

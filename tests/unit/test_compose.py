@@ -182,24 +182,25 @@ def test_other_hosts_reach_the_control_host_s_kafka_and_database(role) -> None:
             assert f"@{host('control')}:5432/rlnode" in env["DATABASE_URL"], name
 
 
-def test_inference_host_generators_fetch_weights_into_their_own_directories() -> None:
-    """Nothing shared with the learner: each generator downloads from the training host's
-    learner into a directory of its own, and is called back at its own port."""
+def test_inference_host_generators_fetch_weights_into_the_hosts_directory() -> None:
+    """Nothing shared with the learner: the generators download from the training host's
+    learner into the host's volume (one download per version per host, each generator's
+    links under its id), and each is called back at its own port."""
     services = DOCUMENTS[ROLE_FILES["inference"]]["services"]
     assert len(services) == ROLE_FILE_GPUS
-    dirs, urls = set(), set()
+    ids, urls = set(), set()
     for index in range(ROLE_FILE_GPUS):
         service = services[f"{GENERATOR.name}-{index}"]
         env = service["environment"]
         assert env["GENERATOR_WEIGHTS_URL"] == LEARNER.url_in(host("training"))
         assert env["GENERATOR_PUBLIC_URL"] == f"http://{host('inference')}:{generator_port(index)}"
         assert env["GENERATOR_GENERATOR_ID"] == f"gen{index}@{host('inference')}"
-        assert Path(env["GENERATOR_WEIGHTS_DIR"]).parent == Path(FETCHED_WEIGHTS_DIR)
+        assert Path(env["GENERATOR_WEIGHTS_DIR"]) == Path(FETCHED_WEIGHTS_DIR)
         assert f"fetched-weights:{FETCHED_WEIGHTS_DIR}" in service["volumes"]
         assert not any(v.startswith(("weights:", "checkpoints:")) for v in service["volumes"])
-        dirs.add(env["GENERATOR_WEIGHTS_DIR"])
+        ids.add(env["GENERATOR_GENERATOR_ID"])
         urls.add(env["GENERATOR_PUBLIC_URL"])
-    assert len(dirs) == len(urls) == ROLE_FILE_GPUS
+    assert len(ids) == len(urls) == ROLE_FILE_GPUS
 
 
 @pytest.mark.parametrize("path", list(ROLE_FILES.values()))

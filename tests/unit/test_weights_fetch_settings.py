@@ -13,7 +13,7 @@ from rlnode.messages.examples import example_payloads
 from rlnode.messages.jobs import WeightsLoadedData
 from rlnode.training.transport import InMemoryTransport
 from rlnode_services.learner.weights import PublishedWeights
-from rlnode_services.rollout_generator.settings import GeneratorSettings
+from rlnode_services.rollout_generator.settings import GeneratorSettings, safe_name
 
 
 def version(job: str, number: int, org: str = "acme") -> WeightVersion:
@@ -45,7 +45,9 @@ def test_always_fetching_needs_a_learner_url_and_urls_are_http(tmp_path: Path) -
         GeneratorSettings(weights_url="file:///etc")
     settings = GeneratorSettings(weights_url="http://learner:8740/", generator_id="gen/0")
     assert settings.weights_url == "http://learner:8740"
-    assert settings.fetched_weights_dir.name == "rlnode-fetched-gen_0"  # one name, no path
+    # The host's generators share one directory; each keeps its links under its id.
+    assert settings.fetched_weights_dir.name == "rlnode-fetched"
+    assert [safe_name(n) for n in ("gen/0", "..", "gen0")] == ["gen_0", "_", "gen0"]
     assert GeneratorSettings(weights_dir=tmp_path).fetched_weights_dir == tmp_path
 
 

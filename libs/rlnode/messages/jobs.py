@@ -242,6 +242,11 @@ class WeightsLoadedData(EventData):
     fetch_resumes: NonNegativeInt = Field(
         0, description="Broken downloads resumed (Range) before the file was whole."
     )
+    fetch_reused: bool = Field(
+        False,
+        description="For transport http: the host had the version already (another generator "
+        "of the host downloaded it; one download per host), so fetch_s was the wait for it.",
+    )
 
 
 class WeightsRefusedData(EventData):

@@ -28,7 +28,8 @@ HOST_VARIABLES = {
     "training": ("RLNODE_TRAINING_HOST", "the training host's address"),
     "inference": ("RLNODE_INFERENCE_HOST", "this inference host's address"),
 }
-# A tmpfs volume on an inference host; each generator downloads into <this>/<its name>.
+# A tmpfs volume on an inference host, shared by its generators: one download per version
+# per host, each generator's links under generators/<its id> (rollout_generator/fetch.py).
 FETCHED_WEIGHTS_DIR = PurePosixPath("/var/lib/rlnode-fetched")
 
 
@@ -46,12 +47,12 @@ def generator_port(index: int) -> int:
 
 def generator_on_host(index: int) -> dict[str, str]:
     """A generator's identity on an inference host: its name, the URL Task Apps call back,
-    the directory of the weight versions it downloads."""
+    the directory of the weight versions it downloads (the host's, shared)."""
     name, prefix = f"gen{index}", GENERATOR.env_prefix
     return {
         f"{prefix}GENERATOR_ID": f"{name}@{host('inference')}",
         f"{prefix}PUBLIC_URL": f"http://{host('inference')}:{generator_port(index)}",
-        f"{prefix}WEIGHTS_DIR": str(FETCHED_WEIGHTS_DIR / name),
+        f"{prefix}WEIGHTS_DIR": str(FETCHED_WEIGHTS_DIR),
     }
 
 

@@ -3,13 +3,28 @@ them (GENERATOR_WEIGHTS_URL; the learner's `GET /v1/weights/{org}/{job}/{version
 
 The URL comes from this generator's settings, never from the record: a record names the
 org, job and version, and the one learner the operator configured answers for them. The
-file goes to this generator's own directory (`<org>/<job>/v<N>.safetensors`, private) under
-a temporary name, hashed with BLAKE3 as its bytes arrive, and is renamed into place only
-when its size and digest are the record's; otherwise nothing is left and the version is
-refused. A connection that breaks mid-way resumes with `Range` from the bytes already
-written (hashed again from the partial file first, with `If-Range` so that a learner now
-holding other bytes sends the whole file), at most `weights_fetch_retries` times, waiting
-0.5 s, then twice as long each time.
+file is hashed with BLAKE3 as its bytes arrive and kept only when its size and digest are
+the record's; otherwise nothing is left and the version is refused. A connection that
+breaks mid-way resumes with `Range` from the bytes already written (hashed again from the
+partial file first, with `If-Range` so that a learner now holding other bytes sends the
+whole file), at most `weights_fetch_retries` times, waiting 0.5 s, then twice as long each
+time.
+
+One download per host, not per generator: an 8-GPU inference host runs a generator per
+engine, and each fetching a 7B version of its own would move it over the network (and hold
+it in memory) six or eight times. The generators of a host share one directory
+(GENERATOR_WEIGHTS_DIR):
+
+    shared/<blake3>.safetensors       the host's copy, named by its digest
+    shared/<blake3>.part              a download under way (or one a killed generator left)
+    shared/<blake3>.lock              flock(2)ed by whoever downloads or links it
+    generators/<id>/<org>/<job>/v<N>.safetensors   a hard link per generator that loaded it
+
+The first generator to want a version takes its lock and downloads it (going on from a
+`.part` a killed one left); the others wait on the lock and find it there. Each loads from a
+hard link of its own, so what one discards never pulls a file from under another; the
+host's copy goes once no generator links it. The lock dies with its process, so a killed
+downloader blocks no one.
 
 The download runs on a thread with a blocking client: writing and hashing a large file off
 the event loop that serves the Task Apps' inference calls."""
@@ -17,11 +32,14 @@ the event loop that serves the Task Apps' inference calls."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
 import logging
 import os
 import re
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,11 +51,12 @@ from rlnode.service.files import PRIVATE_FILE_MODE, private_dir
 from rlnode.service.ranges import quoted_etag
 from rlnode.service.stores import job_dir
 from rlnode.training.storage import temporary_sibling
-from rlnode_services.rollout_generator.settings import GeneratorSettings
+from rlnode_services.rollout_generator.settings import GeneratorSettings, safe_name
 
 log = logging.getLogger("rollout_generator.fetch")
 
 FIRST_RETRY_S, LONGEST_RETRY_S = 0.5, 8.0
+LOCK_POLL_S = 0.1  # how often a generator waiting for another's download looks again
 _CONTENT_RANGE = re.compile(r"^bytes (\d+)-(\d+)/(\d+)$")
 
 
@@ -54,17 +73,82 @@ class Fetched:
     path: Path
     seconds: float
     resumes: int
+    reused: bool = False  # the host had it: another generator (or an earlier run) downloaded it
 
 
 def version_file(root: Path, version: WeightVersion) -> Path:
     return job_dir(root, version.org_id, version.job_id) / f"v{version.version:06d}.safetensors"
 
 
+class HostCopies:
+    """The host's downloaded versions, by digest, shared by its generators (see above)."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+
+    def path(self, digest: str) -> Path:
+        return self.directory / f"{digest}.safetensors"
+
+    def partial(self, digest: str) -> Path:
+        return self.directory / f"{digest}.part"
+
+    @contextlib.contextmanager
+    def locked(self, digest: str, stopping: threading.Event | None = None) -> Iterator[bool]:
+        """Hold the digest's lock: yields True once held (waiting for another holder, unless
+        `stopping` is set first: then False); with `stopping` None, False at once when held."""
+        path = self.directory / f"{digest}.lock"
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, PRIVATE_FILE_MODE)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                if stopping is None or stopping.wait(LOCK_POLL_S):
+                    yield False
+                    return
+                continue
+            # Held; but a holder that removed the lock file (below) leaves a stale inode to
+            # whoever opened it before: then lock the file now at that name instead.
+            try:
+                current = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                break
+            os.close(fd)
+        try:
+            yield True
+        finally:
+            # A lock of nothing (a refused download's) goes; its holder may remove it.
+            if not (self.path(digest).exists() or self.partial(digest).exists()):
+                path.unlink(missing_ok=True)
+            os.close(fd)
+
+    def remove_unlinked(self) -> None:
+        """Remove the copies no generator links any more and what killed downloads left,
+        each under its lock (one being downloaded or linked now is left alone)."""
+        if not self.directory.is_dir():
+            return
+        digests = {p.name.split(".", 1)[0] for p in self.directory.iterdir()}
+        for digest in digests:
+            with self.locked(digest) as held:
+                if not held:
+                    continue
+                copy = self.path(digest)
+                with contextlib.suppress(FileNotFoundError):
+                    if copy.stat().st_nlink > 1:
+                        continue
+                copy.unlink(missing_ok=True)
+                self.partial(digest).unlink(missing_ok=True)  # its lock goes with them
+
+
 class WeightsFetcher:
     def __init__(self, settings: GeneratorSettings, first_retry_s: float = FIRST_RETRY_S) -> None:
         assert settings.weights_url is not None, "a fetcher needs GENERATOR_WEIGHTS_URL"
         self.base_url = settings.weights_url
-        self.root = settings.fetched_weights_dir
+        # This generator's links; the host's copies beside those of the other generators.
+        self.root = settings.fetched_weights_dir / "generators" / safe_name(settings.generator_id)
+        self.host = HostCopies(settings.fetched_weights_dir / "shared")
         self.retries = settings.weights_fetch_retries
         self.first_retry_s = first_retry_s
         token = settings.service_token.get_secret_value() if settings.service_token else None
@@ -92,16 +176,34 @@ class WeightsFetcher:
 
     def _fetch(self, version: WeightVersion) -> Fetched:
         path = version_file(self.root, version)
-        for directory in (self.root, path.parent.parent, path.parent):
+        for directory in (self.root.parent.parent, self.host.directory, self.root):
+            private_dir(directory)
+        for directory in (path.parent.parent, path.parent):
             private_dir(directory)
         self._jobs[version.job_id] = path.parent
-        temporary = temporary_sibling(path)
         started = time.perf_counter()
+        with self.host.locked(version.blake3, self._stopping) as held:
+            if not held:
+                raise FetchFailed("the generator is stopping")
+            copy = self.host.path(version.blake3)
+            reused = copy.exists()
+            resumes = 0 if reused else self._download_whole(version, copy)
+            # A link of this generator's own: the host's copy may go when no one links it.
+            temporary = temporary_sibling(path)
+            temporary.unlink(missing_ok=True)
+            os.link(copy, temporary)
+            os.replace(temporary, path)
+        return Fetched(path, time.perf_counter() - started, resumes, reused)
+
+    def _download_whole(self, version: WeightVersion, copy: Path) -> int:
+        """Download the version into the host's `copy` (its digest's lock held); returns how
+        many times a broken download resumed."""
+        partial = self.host.partial(version.blake3)
         resumes, delay = 0, self.first_retry_s
         try:
             while True:
                 try:
-                    digest = self._download(version, temporary)
+                    digest = self._download(version, partial)
                     break
                 except _Broken as e:
                     if resumes >= self.retries or self._stopping.is_set():
@@ -124,11 +226,11 @@ class WeightsFetcher:
                     f"the BLAKE3 digest of the download is {digest[:16]}…, the WeightVersion "
                     f"says {version.blake3[:16]}…"
                 )
-            os.replace(temporary, path)
+            os.replace(partial, copy)
         except BaseException:
-            temporary.unlink(missing_ok=True)  # nothing partial is left behind
+            partial.unlink(missing_ok=True)  # nothing partial is left behind
             raise
-        return Fetched(path, time.perf_counter() - started, resumes)
+        return resumes
 
     def _download(self, version: WeightVersion, temporary: Path) -> str:
         """Go on from what `temporary` holds to the end; the digest of the whole file."""
@@ -182,22 +284,27 @@ class WeightsFetcher:
     # -- clean-up ---------------------------------------------------------------------------
 
     def discard_older(self, version: WeightVersion) -> None:
-        """A version is loaded: the job's earlier downloads are of no more use."""
+        """A version is loaded: the job's earlier downloads are of no more use here."""
         directory = version_file(self.root, version).parent
         for old in directory.glob("v*.safetensors"):
             if _number(old) < version.version:
                 old.unlink(missing_ok=True)
+        self.host.remove_unlinked()
 
     def discard_job(self, job_id: str) -> None:
         """The job's engines were released: everything downloaded for it goes."""
         directory = self._jobs.pop(job_id, None)
         if directory is not None:
             _empty(directory)
+        self.host.remove_unlinked()
 
     def discard_all(self) -> None:
+        """This generator's links (an earlier run's too), and the host's copies no other
+        generator links."""
         if self.root.is_dir():
             for directory in self.root.glob("*/*"):
                 _empty(directory)
+        self.host.remove_unlinked()
 
 
 def _hashed(path: Path) -> tuple[int, blake3.blake3]:

@@ -92,10 +92,11 @@ class GeneratorSettings(VaultClientSettings):
     )
     weights_dir: Path | None = Field(
         None,
-        description="Where downloaded versions go (<org>/<job>/v<N>.safetensors, private "
-        "files), one directory per generator; the versions in it are removed when the "
-        "generator starts and stops. Default: rlnode-fetched-<generator id> in /dev/shm "
-        "(memory) where that exists, else under RLNODE_DATA_DIR.",
+        description="Where downloaded versions go, shared by the generators of a host: one "
+        "download per version per host, each generator loading a hard link of its own "
+        "(generators/<id>/<org>/<job>/v<N>.safetensors; private files). A generator's links "
+        "go when it starts and stops, the host's copy once none links it. Default: "
+        "rlnode-fetched in /dev/shm (memory) where that exists, else under RLNODE_DATA_DIR.",
     )
     weights_fetch_retries: int = Field(
         5,
@@ -155,12 +156,14 @@ class GeneratorSettings(VaultClientSettings):
 
     @property
     def fetched_weights_dir(self) -> Path:
-        """Where this generator keeps the versions it downloaded (GENERATOR_WEIGHTS_DIR)."""
+        """Where the host's generators keep the versions they downloaded
+        (GENERATOR_WEIGHTS_DIR)."""
         if self.weights_dir is not None:
             return self.weights_dir
-        own = "rlnode-fetched-" + re.sub(r"[^A-Za-z0-9._-]", "_", self.generator_id)
         memory = Path("/dev/shm")
-        return memory / own if memory.is_dir() else self.node.data_dir / "fetched-weights" / own
+        return (
+            memory / "rlnode-fetched" if memory.is_dir() else self.node.data_dir / "fetched-weights"
+        )
 
     @property
     def gateway_urls(self) -> list[str]:
@@ -168,3 +171,8 @@ class GeneratorSettings(VaultClientSettings):
 
     def base_url(self) -> str:
         return (self.public_url or f"http://{self.host}:{self.port}").rstrip("/")
+
+
+def safe_name(generator_id: str) -> str:
+    """`generator_id` as one path component."""
+    return re.sub(r"[^A-Za-z0-9._-]", "_", generator_id).lstrip(".") or "_"

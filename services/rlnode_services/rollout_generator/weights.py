@@ -109,6 +109,7 @@ class WeightSync:
                     transport=loaded.transport,
                     fetch_s=loaded.fetched.seconds if loaded.fetched else 0.0,
                     fetch_resumes=loaded.fetched.resumes if loaded.fetched else 0,
+                    fetch_reused=loaded.fetched.reused if loaded.fetched else False,
                 ),
             )
         )
@@ -119,5 +120,7 @@ def _how(loaded: Loaded) -> str:
     fetched = loaded.fetched
     if fetched is None:
         return "from shared memory"
+    if fetched.reused:
+        return f"over HTTP (this host's copy, another generator's download; {fetched.seconds:.3f}s)"
     resumed = f", resumed {fetched.resumes}x" if fetched.resumes else ""
     return f"over HTTP (downloaded in {fetched.seconds:.3f}s{resumed})"
