@@ -13,7 +13,10 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rlnode.bus.localbroker import Storage
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -89,7 +92,7 @@ def copy_task_node(
     directory: Path,
     generator_env: dict[str, str],
     gateways: int = 1,
-    broker_storage: str | None = None,
+    broker_storage: Storage | None = None,
 ) -> Iterator[tuple]:
     """A node for training benchmarks (no checkpoint-server), an org whose key is sealed
     and uploaded, and the managed copy-task Task App registered as "copy": (node, org).

@@ -8,20 +8,29 @@ rlnode.node.testhosts).
   qwen2.5-0.5b preset (random weights, its published shape).
 - `scaling`: rollouts/s of the copy-task job with the learner on host A and generators on
   1, 2 and 3 other hosts.
+- `host-copies`: N generator processes of one host getting one SmolLM2 version from the
+  learner's weights route (on loopback): sharing the host's download directory (one
+  download, the others link it) against a directory each (a download each, as N hosts
+  would): time until all N hold it, downloads, bytes held in memory.
 
 The namespaces share this machine's two cores: more generator hosts add no compute here, so
 the scaling curve shows what spreading work over hosts costs (weights fetched per host per
 version, consumer-group rebalances, calls across the bridge), not what more machines gain.
 
-    python bench/multihost.py [--parts fetch,scaling] [--hosts 1,2,3] [--steps 12]
+    python bench/multihost.py [--parts fetch,scaling,host-copies] [--hosts 1,2,3] [--steps 12]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import multiprocessing
+import shutil
 import statistics
 import sys
 import tempfile
+import time
+import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -186,18 +195,124 @@ def scaling(args: argparse.Namespace, root: Path) -> list[dict]:
     return rows
 
 
+def _generator(settings: dict, version_json: str, go, results) -> None:
+    """One generator process of the host: waits for `go`, then gets the version."""
+    from rlnode.messages import WeightVersion
+    from rlnode_services.rollout_generator.fetch import WeightsFetcher
+    from rlnode_services.rollout_generator.settings import GeneratorSettings
+
+    fetcher = WeightsFetcher(GeneratorSettings(**settings))
+    version = WeightVersion.model_validate_json(version_json)
+    go.wait()
+    fetched = asyncio.run(fetcher.fetch(version))
+    results.put((time.perf_counter(), fetched.reused, fetched.seconds))
+
+
+def host_copies(args: argparse.Namespace, root: Path) -> list[dict]:
+    import blake3
+    from fastapi import FastAPI
+    from nacl.signing import SigningKey
+
+    from rlnode.messages import ParityProbe, WeightVersion
+    from rlnode.service.auth import Scope, TokenClaims, TokenVerifier, sign_token
+    from rlnode.service.http import install_error_handlers
+    from rlnode.testing import ThreadedServer
+    from rlnode_services.learner.weights import PublishedWeights, weights_router
+
+    (model,) = models(argparse.Namespace(models="smollm2"), root).values()
+    store = root / "learner-store"
+    file = store / "acme" / "job" / "v000001.safetensors"
+    file.parent.mkdir(parents=True)
+    shutil.copyfile(next(model.glob("*.safetensors")), file)
+    version = WeightVersion(
+        job_id="job",
+        org_id="acme",
+        version=1,
+        step=1,
+        uri=file.as_uri(),
+        blake3=blake3.blake3(file.read_bytes(), max_threads=blake3.blake3.AUTO).hexdigest(),
+        size_bytes=file.stat().st_size,
+        dtype="float32",
+        probe=ParityProbe(token_ids=[1, 2], logprobs=[0.0]),
+    )
+    published = PublishedWeights()
+    published.note(version)
+    key = SigningKey.generate()
+    app = FastAPI()
+    app.state.verifier = TokenVerifier(key.verify_key)
+    install_error_handlers(app)
+    app.include_router(weights_router(published, [store]))
+    now = int(time.time())
+    claims = TokenClaims(
+        f"t_{uuid.uuid4().hex[:12]}", "service", "rollout-generator", None,
+        frozenset({Scope.WEIGHTS_READ}), now, now + 3600, "k",
+    )  # fmt: skip
+    token = sign_token(key, claims)
+    memory = Path("/dev/shm") if Path("/dev/shm").is_dir() else root
+    context = multiprocessing.get_context("spawn")
+    rows = []
+    with ThreadedServer(app) as server:
+        for repeat in range(args.repeats):
+            for mode in ("shared", "separate") if repeat % 2 == 0 else ("separate", "shared"):
+                host = Path(tempfile.mkdtemp(prefix="rlnode-b13-", dir=memory))
+                try:
+                    go, results = context.Event(), context.Queue()
+                    processes = []
+                    for index in range(args.generators):
+                        directory = host if mode == "shared" else host / f"own-{index}"
+                        settings = {
+                            "generator_id": f"gen{index}",
+                            "weights_url": server.url,
+                            "weights_dir": str(directory),
+                            "service_token": token,
+                            "weights_fetch_timeout_s": 120.0,
+                        }
+                        process = context.Process(
+                            target=_generator,
+                            args=(settings, version.model_dump_json(), go, results),
+                        )
+                        process.start()
+                        processes.append(process)
+                    time.sleep(3)  # every process imported and waiting
+                    started = time.perf_counter()
+                    go.set()
+                    done = [results.get(timeout=600) for _ in processes]
+                    for process in processes:
+                        process.join(30)
+                    held = {
+                        (p.stat().st_dev, p.stat().st_ino): p.stat().st_size
+                        for p in host.rglob("*.safetensors")
+                    }
+                    rows.append(
+                        {
+                            "mode": mode,
+                            "generators": args.generators,
+                            "size_mb": round(version.size_bytes / 1e6),
+                            "all_hold_it_s": round(max(t for t, _, _ in done) - started, 3),
+                            "downloads": sum(not reused for _, reused, _ in done),
+                            "held_mb": round(sum(held.values()) / 1e6),
+                        }
+                    )
+                    print(rows[-1], flush=True)
+                finally:
+                    shutil.rmtree(host, ignore_errors=True)
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--parts", default="fetch,scaling")
+    parser.add_argument("--parts", default="fetch,scaling,host-copies")
     parser.add_argument("--hosts", default="1,2,3", help="generator hosts per scaling run")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--models", default="smollm2,qwen2.5-0.5b", help="for the fetch part")
     parser.add_argument("--fetch-steps", type=int, default=3)
+    parser.add_argument("--generators", type=int, default=3, help="for the host-copies part")
+    parser.add_argument("--repeats", type=int, default=2, help="for the host-copies part")
     args = parser.parse_args()
     why = testhosts.available()
-    if why:
+    if why and {"fetch", "scaling"} & set(args.parts.split(",")):
         print(f"bench/multihost.py needs test hosts: {why}", file=sys.stderr)
         return 2
     parts = args.parts.split(",")
@@ -239,7 +354,36 @@ def main() -> int:
                     for r in rows
                 ),
             ]
-    write_results("multihost", args, "B13: a node over several hosts", table, **result)
+        if "host-copies" in parts:
+            rows = host_copies(args, root)
+            copies_table = [
+                f"{args.generators} generator processes of one host, one SmolLM2 version each "
+                "(median of the repeats):",
+                "",
+                "| download directory | all hold it (s) | vs shared | downloads | held in memory |",
+                "|---|---|---|---|---|",
+            ]
+            medians = {}
+            for mode in ("shared", "separate"):
+                mine = [r for r in rows if r["mode"] == mode]
+                medians[mode] = statistics.median(r["all_hold_it_s"] for r in mine)
+            labels = {"shared": "the host's, shared", "separate": "one per generator"}
+            for mode in ("shared", "separate"):
+                mine = [r for r in rows if r["mode"] == mode]
+                copies_table.append(
+                    f"| {labels[mode]} | "
+                    f"{medians[mode]:.2f} | {medians[mode] / medians['shared']:.2f}x | "
+                    f"{mine[0]['downloads']} | {mine[0]['held_mb']} MB |"
+                )
+            write_results(
+                "multihost_host_copies",
+                args,
+                "B13: one weight download per inference host",
+                copies_table,
+                host_copies=rows,
+            )
+    if result:  # the parts on test hosts
+        write_results("multihost", args, "B13: a node over several hosts", table, **result)
     return 0
 
 
