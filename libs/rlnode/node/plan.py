@@ -17,6 +17,7 @@ reference), a control host none; a host with both keeps the split above."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Literal
@@ -384,6 +385,8 @@ def learner_settings(plan: GpuPlan) -> dict[str, str]:
         f"{LEARNER.env_prefix}DEVICES": plan.learner_devices(),
         f"{LEARNER.env_prefix}VISIBLE_GPUS": str(plan.visible),
     }
+    if not plan.runs_inference:  # it checks a job's topology against this host's plan
+        settings[f"{LEARNER.env_prefix}HOST_ROLES"] = json.dumps(list(plan.roles))
     if plan.reference == "dedicated":  # numbered after the ranks in the learner's GPUs
         settings[f"{LEARNER.env_prefix}REFERENCE_DEVICE"] = f"cuda:{len(plan.training)}"
     return settings

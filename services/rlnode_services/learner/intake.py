@@ -132,12 +132,18 @@ class JobIntake:
         return "new"
 
     def check_plan(self, config: JobConfig) -> Verdict:
-        """The job's topology against this node's GPUs (rlnode.node.plan: the rules `rlnode plan`
-        prints)."""
+        """The job's topology against this host's GPUs and roles (rlnode.node.plan: the rules
+        `rlnode plan --role` prints). On a host without inference, what the topology says of
+        engines is the inference hosts' to plan, not this one's."""
+        roles = tuple(self.settings.host_roles)
+        topology = config.topology
+        if "inference" not in roles:
+            topology = topology.model_copy(update={"inference_gpus": "auto"})
         try:
-            make_plan(self.settings.visible_gpus, config.topology)
+            make_plan(self.settings.visible_gpus, topology, roles)
         except PlanError as e:
-            return Verdict(False, f"the GPU plan does not fit this node: {e}")
+            where = "this node" if "inference" in roles else "this training host"
+            return Verdict(False, f"the GPU plan does not fit {where}: {e}")
         return Verdict(True)
 
     def _check_dependencies(self, org_id: str, config: JobConfig) -> Verdict:

@@ -77,6 +77,13 @@ class LearnerSettings(VaultClientSettings):
     visible_gpus: int = Field(
         0, ge=0, description="GPUs this node has (the plan checks requests against it)."
     )
+    host_roles: list[Literal["control", "training", "inference"]] = Field(
+        ["control", "training", "inference"],
+        min_length=1,
+        description="The roles of the learner's host (rlnode up --role; a JSON list): a "
+        "job's topology is checked against this host's part of the plan (a training host "
+        "gives every GPU to ranks; the engines are the inference hosts').",
+    )
     max_running_jobs: int = Field(1, ge=1, description="Jobs trained at once; more are queued.")
     group_id: str = Field(LEARNER_GROUP, description="The consumer group of job requests.")
     trajectory_group_id: str = Field(
