@@ -31,6 +31,7 @@ from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import topics
 from rlnode.service.registry import MAX_GATEWAYS, PORT_BASE, SERVICES, port_offset
 from rlnode.service.settings import NodeSettings
+from rlnode.training.network import RENDEZVOUS_PORT
 
 
 @contextlib.contextmanager
@@ -239,6 +240,13 @@ def _up(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    rank_hosts = tuple(h.strip() for h in args.rank_hosts.split(",") if h.strip())
+    if rank_hosts and "training" not in roles:
+        print(
+            "rlnode: --rank-hosts lend ranks to this host's learner: it needs the training role",
+            file=sys.stderr,
+        )
+        return 2
     return run_up(
         gpus,
         port_base=args.port_base,
@@ -248,6 +256,8 @@ def _up(args: argparse.Namespace) -> int:
         host=args.host,
         join=join,
         broker_storage=args.broker_storage,
+        rank_hosts=rank_hosts,
+        rendezvous_port=args.rendezvous_port,
     )
 
 
@@ -315,6 +325,19 @@ def register(commands: argparse._SubParsersAction) -> None:
         type=Path,
         default=None,
         help="the control host's join.json, for a host without the control role",
+    )
+    up.add_argument(
+        "--rank-hosts",
+        default="",
+        help="hosts that lend the learner training ranks, a comma list, each as it names "
+        "itself (its address toward this host): each runs rlnode trainer-ranks --join "
+        "join.json (or ADDR:PORT), and every job trains on this host's ranks and theirs",
+    )
+    up.add_argument(
+        "--rendezvous-port",
+        type=int,
+        default=RENDEZVOUS_PORT,
+        help=f"where the learner listens for rank hosts, on --host (default {RENDEZVOUS_PORT})",
     )
     _storage_argument(up, "--broker-storage")
     up.set_defaults(run=_up)

@@ -81,9 +81,36 @@ def _default_nproc() -> int:
     return torch.cuda.device_count() or 1
 
 
+def rendezvous_of(join: str) -> str:
+    """`--join`: the learner's ADDR:PORT, or a join file that names it (written by a
+    control host that runs the learner with `--rank-hosts`)."""
+    from pathlib import Path
+
+    from rlnode.node.roles import JoinInfo, RoleError
+
+    if not join.endswith(".json") and not Path(join).is_file():
+        split_endpoint(join)  # ADDR:PORT, or a ValueError that says what is wrong
+        return join
+    info = JoinInfo.read(Path(join))
+    if not info.rendezvous:
+        raise RoleError(
+            f"{join} names no learner rendezvous: the host that wrote it runs no learner with "
+            "rank hosts (rlnode up --role ...,training --rank-hosts THIS_HOST); give the "
+            "learner's LEARNER_RENDEZVOUS as ADDR:PORT instead"
+        )
+    return info.rendezvous
+
+
 def _run(args: argparse.Namespace) -> int:
+    from rlnode.node.roles import RoleError
+
+    try:
+        join = rendezvous_of(args.join)
+    except (RoleError, ValueError) as e:
+        print(f"rlnode: {e}", file=sys.stderr)
+        return 2
     command = torchrun_command(
-        args.join,
+        join,
         nproc=args.nproc or _default_nproc(),
         host=args.host,
         device=args.device,
@@ -119,7 +146,11 @@ def register(commands: Any) -> None:
         description=__doc__,
     )
     parser.add_argument(
-        "--join", required=True, metavar="ADDR:PORT", help="the learner's LEARNER_RENDEZVOUS"
+        "--join",
+        required=True,
+        metavar="ADDR:PORT|JOIN_FILE",
+        help="the learner's LEARNER_RENDEZVOUS, or the join.json of a control host that runs "
+        "the learner with --rank-hosts",
     )
     parser.add_argument(
         "--nproc", type=int, help="ranks to lend (default: this host's GPUs, or 1 on the CPU)"

@@ -48,6 +48,7 @@ from rlnode.service.registry import (
     port_offset,
 )
 from rlnode.service.settings import NodeSettings
+from rlnode.training.network import RENDEZVOUS_PORT
 
 log = logging.getLogger("rlnode.node.local")
 
@@ -85,6 +86,15 @@ class NodeOptions:
     # again on the same data dir has every topic, record and offset) or "memory"; None:
     # RLNODE_BROKER_STORAGE (default durable). docs/decisions.md says why.
     broker_storage: Storage | None = None
+    # Hosts that lend the learner training ranks (`rlnode trainer-ranks` on each), as each
+    # names itself; the learner's rendezvous listens on `host`:`rendezvous_port` for them.
+    rank_hosts: tuple[str, ...] = ()
+    rendezvous_port: int = RENDEZVOUS_PORT
+
+    @property
+    def rendezvous(self) -> str:
+        """Where rank hosts join the learner ("" without rank hosts)."""
+        return f"{self.host}:{self.rendezvous_port}" if self.rank_hosts else ""
 
 
 class PortInUse(RuntimeError):
@@ -191,6 +201,11 @@ class LocalNode:
         learner_url = join.learner_url if join else ""
         if LEARNER.name in wanted:
             learner = vault_url | gateway_url | self._token_env(LEARNER) | self._model_dirs()
+            if self.options.rank_hosts:
+                learner |= {
+                    "RANK_HOSTS": ",".join(self.options.rank_hosts),
+                    "RENDEZVOUS": self.options.rendezvous,
+                }
             learner_url = self._service(LEARNER, learner, learner_env).url
         if CHECKPOINT_SERVER.name in wanted:
             serving = vault_url | gateway_url | self._token_env(CHECKPOINT_SERVER)
@@ -224,6 +239,7 @@ class LocalNode:
             service_tokens=tokens,
             learner_url=learner_url,
             checkpoint_server_url=serving.url if serving else "",
+            rendezvous=self.options.rendezvous if LEARNER.name in self.processes else "",
         )
         return info.write(join_path(self.data_dir))
 

@@ -64,6 +64,9 @@ class JoinInfo:
     service_tokens: dict[str, str]
     learner_url: str = ""  # where generators fetch weight versions ("" if not known yet)
     checkpoint_server_url: str = ""
+    # Where rank hosts join the learner (`rlnode trainer-ranks --join join.json`; "" when
+    # the host that writes it runs no learner with rank hosts).
+    rendezvous: str = ""
     version: int = 1
     comment: str = field(
         default="rlnode join file: service tokens inside; keep it private (mode 600)"

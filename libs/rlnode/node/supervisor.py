@@ -25,6 +25,7 @@ from rlnode.node.plan import make_plan, plan_table
 from rlnode.node.roles import ALL_ROLES, JoinInfo, join_path, services_of
 from rlnode.service.registry import PORT_BASE
 from rlnode.service.settings import NodeSettings
+from rlnode.training.network import RENDEZVOUS_PORT
 
 log = logging.getLogger("rlnode.node.supervisor")
 
@@ -50,6 +51,8 @@ def run_up(
     host: str = "127.0.0.1",
     join: JoinInfo | None = None,
     broker_storage: Storage | None = None,
+    rank_hosts: tuple[str, ...] = (),
+    rendezvous_port: int = RENDEZVOUS_PORT,
 ) -> int:
     data_dir = data_dir or NodeSettings().data_dir
     state = state_path(data_dir)
@@ -73,6 +76,8 @@ def run_up(
             host=host,
             join=join,
             broker_storage=broker_storage,
+            rank_hosts=rank_hosts,
+            rendezvous_port=rendezvous_port,
         )
     )
     stopping = False
@@ -99,6 +104,15 @@ def run_up(
                 out,
                 f"other hosts join with: rlnode up --role inference|training --host <their "
                 f"address> --join {join_path(data_dir)} (copy it there; it holds tokens)",
+            )
+        if rank_hosts:
+            joined = (
+                join_path(data_dir) if join_path(data_dir).exists() else node.options.rendezvous
+            )
+            _say(
+                out,
+                f"the learner waits for rank hosts {', '.join(rank_hosts)}: on each, rlnode "
+                f"trainer-ranks --join {joined} --host <its name above>",
             )
         while not stopping:
             for line in node.supervise():

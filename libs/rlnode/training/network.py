@@ -17,6 +17,7 @@ import struct
 log = logging.getLogger("rlnode.training.network")
 
 INTERFACE_VARIABLES = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
+RENDEZVOUS_PORT = 29400  # torchrun's usual c10d port: where rank hosts join the learner
 _SIOCGIFADDR, _SIOCGIFNETMASK = 0x8915, 0x891B
 
 
