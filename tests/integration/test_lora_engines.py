@@ -62,7 +62,9 @@ async def engine(request, base, spec):
     """An engine per job kind: one whose adapters save the embedding changes its base."""
     if request.param == "vllm":
         pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs it)")
-        engine = create_engine("vllm", base, device="cpu", dtype="float32", max_lora_rank=8)
+        engine = create_engine(
+            "vllm", base, device="cpu", dtype="float32", max_lora_rank=8, enforce_eager=True
+        )
     else:
         engine = create_engine("torch", base, device="cpu", dtype="float32", max_wait_ms=1)
     yield engine

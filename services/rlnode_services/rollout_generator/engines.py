@@ -62,7 +62,10 @@ class EnginePool:
         self, model: ModelSpec, reference: bool = False, lora: LoraSpec | None = None
     ) -> Engine:
         settings = self.settings
-        options: dict[str, str | int | float] = {"device": settings.device, "dtype": settings.dtype}
+        options: dict[str, str | int | float | bool] = {
+            "device": settings.device,
+            "dtype": settings.dtype,
+        }
         if settings.engine == "torch":
             options |= {
                 "max_batch_size": settings.max_batch_size,
@@ -76,6 +79,7 @@ class EnginePool:
                 if reference
                 else settings.gpu_memory_fraction,
                 "cpu_kv_cache_mib": settings.cpu_kv_cache_mib,
+                "enforce_eager": settings.enforce_eager,
             }
             # The job's own bound on a sequence: vLLM otherwise sizes for the model's longest
             # (SmolLM2's 8192 needs 0.35 GiB of KV cache, and the CPU's default is 0.25).

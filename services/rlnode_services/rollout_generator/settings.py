@@ -59,6 +59,11 @@ class GeneratorSettings(VaultClientSettings):
     cpu_kv_cache_mib: int = Field(
         512, ge=16, description="vLLM on the CPU: the KV cache's size per engine, in MiB."
     )
+    enforce_eager: bool = Field(
+        False,
+        description="vLLM: no torch.compile and no CUDA graphs: engines start sooner (each "
+        "job's start pays it) and generate slower.",
+    )
     max_model_len: int | None = Field(
         None,
         ge=16,
