@@ -171,9 +171,7 @@ def test_a_finished_job_shows_the_sdks_numbers_its_rollouts_and_answers(page, da
 
     async def run() -> tuple[str, list]:
         async with dashboard.node.jobs(dashboard.org, "dashboard-test") as jobs:
-            job_id = await jobs.start(config, unique_id("finished"))
-            await jobs.wait(job_id, idle_timeout_s=120)
-            return job_id, await jobs.history(job_id)
+            return await jobs.run(config, unique_id("finished"), idle_timeout_s=120)
 
     job_id, events = run_async(run())
     sign_in(page, dashboard, dashboard.org.token)

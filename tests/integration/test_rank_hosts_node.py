@@ -4,7 +4,6 @@ command `rlnode trainer-ranks` runs, and a job trains on both (world size 2) to 
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import sys
 
@@ -12,7 +11,7 @@ import pytest
 
 from rlnode.bus.localbroker import free_port
 from rlnode.examples import example_job
-from rlnode.messages import JobEvent, JobEventType
+from rlnode.messages import JobEventType
 from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.service.registry import GATEWAY, GENERATOR, LEARNER, VAULT
@@ -50,14 +49,7 @@ def test_a_job_trains_on_the_learners_rank_and_a_rank_hosts(tmp_path) -> None:
             config = example_job(
                 "copy_task", model, steps=2, group_size=4, prompts_per_step=2, checkpoint_every=2
             )
-
-            async def run_job() -> list[JobEvent]:
-                async with node.jobs(org) as jobs:
-                    job_id = await jobs.start(config)
-                    await jobs.wait(job_id, idle_timeout_s=240)  # raises unless it completed
-                    return await jobs.history(job_id)
-
-            events = asyncio.run(run_job())
+            _job_id, events = node.run_job(org, config, idle_timeout_s=240)
             steps = [e.data for e in events if e.type is JobEventType.TRAIN_STEP]
             assert [d["step"] for d in steps] == [1, 2]
             assert all(d["world_size"] == 2 for d in steps), steps  # its rank and the host's

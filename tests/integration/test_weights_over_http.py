@@ -25,7 +25,7 @@ from safetensors.torch import load_file
 from rlnode.bus.localbroker import free_port
 from rlnode.engine.torch_engine import TorchEngine
 from rlnode.examples import example_job
-from rlnode.messages import JobEvent, JobEventType, ModelSpec, ParityProbe, WeightVersion
+from rlnode.messages import JobEventType, ModelSpec, ParityProbe, WeightVersion
 from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.node.processes import ServiceProcess
@@ -422,14 +422,7 @@ def test_a_generator_on_another_host_completes_a_job_on_versions_it_downloads(
             job = example_job(
                 "copy_task", tiny, steps=3, group_size=4, prompts_per_step=2, checkpoint_every=3
             )
-
-            async def run_job() -> list[JobEvent]:
-                async with node.jobs(org) as jobs:
-                    job_id = await jobs.start(job)
-                    await jobs.wait(job_id, idle_timeout_s=120)  # raises unless it completed
-                    return await jobs.history(job_id)
-
-            events = asyncio.run(run_job())
+            _job_id, events = node.run_job(org, job)  # raises unless it completed
             loaded = [e for e in events if e.type is JobEventType.WEIGHTS_LOADED]
             # v1 before step 2's work is sampled; the last may come after the job's end.
             assert 1 in [e.data["version"] for e in loaded], [e.message for e in events]

@@ -23,7 +23,7 @@ from rlnode.bus.localbroker import LocalBroker, Storage, free_port
 from rlnode.bus.objectstore import LocalObjectStore
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
-from rlnode.messages import JobEvent
+from rlnode.messages import JobConfig, JobEvent
 from rlnode.node.plan import (
     GpuPlan,
     engine_settings,
@@ -481,6 +481,17 @@ class LocalNode:
         return JobsClient(
             org.org_id, org.token, self.kafka_settings(), service, self.url(VAULT.name)
         )
+
+    def run_job(
+        self, org: Org, config: JobConfig, idle_timeout_s: float = 120.0
+    ) -> tuple[str, list[JobEvent]]:
+        """Run a job as `org` to its end: its id and events (JobError unless it completed)."""
+
+        async def run() -> tuple[str, list[JobEvent]]:
+            async with self.jobs(org) as jobs:
+                return await jobs.run(config, idle_timeout_s=idle_timeout_s)
+
+        return asyncio.run(run())
 
     def job_events(self, org: Org, job_id: str, client: str = "sdk") -> list[JobEvent]:
         """The job's events so far, read as `org` through this node's broker."""

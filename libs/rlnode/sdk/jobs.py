@@ -160,6 +160,15 @@ class JobsClient:
         ):
             yield event
 
+    async def run(
+        self, config: JobConfig, job_id: str | None = None, idle_timeout_s: float | None = None
+    ) -> tuple[str, list[JobEvent]]:
+        """Start a job and wait until it ends: its id and events, or JobError saying why it
+        did not complete."""
+        job_id = await self.start(config, job_id)
+        await self.wait(job_id, idle_timeout_s)
+        return job_id, await self.history(job_id)
+
     async def history(self, job_id: str) -> list[JobEvent]:
         """The job's events so far (those the topic holds now), in order."""
         return [event async for event in self.events(job_id, follow=False)]
