@@ -6,6 +6,7 @@ Its state (pids, URLs, restarts) is in $RLNODE_DATA_DIR/node.json for `status` a
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import os
@@ -15,11 +16,10 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-import httpx
-
 from rlnode.bus.localbroker import Storage
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages.config import TopologySpec
+from rlnode.node.health import services_health
 from rlnode.node.local import LocalNode, NodeOptions, state_path
 from rlnode.node.plan import make_plan, plan_table
 from rlnode.node.roles import ALL_ROLES, JoinInfo, join_path, services_of
@@ -161,16 +161,7 @@ def read_state(data_dir: Path | None = None) -> dict:
 
 def status(data_dir: Path | None = None) -> list[dict]:
     """Each service with its health as its health route says now."""
-    state = read_state(data_dir)
-    rows = []
-    for key, service in state["services"].items():
-        try:
-            health = httpx.get(service["health"], timeout=2.0)
-            healthy = health.status_code == 200
-        except httpx.TransportError:
-            healthy = False
-        rows.append({"service": key, **service, "healthy": healthy})
-    return rows
+    return asyncio.run(services_health(read_state(data_dir)["services"]))
 
 
 def down(data_dir: Path | None = None, timeout_s: float = 120.0) -> int:

@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 from typing import Annotated, Any
 
-import httpx
 import orjson
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import FileResponse, RedirectResponse
@@ -23,6 +22,7 @@ from rlnode.bus import Bus
 from rlnode.messages import ENDED_STATUSES, JobRequest
 from rlnode.messages.codec import describe_validation_error
 from rlnode.messages.jobs import JobAction
+from rlnode.node.health import services_health
 from rlnode.node.local import state_path
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.http import ApiError
@@ -142,9 +142,12 @@ def dashboard_routes(db: Engine, bus: Bus, vault_url: str, gateway_url: str) -> 
         need(claims, Scope.JOBS_READ)
         settings = request.app.state.settings
         state = _node_state(settings.node.data_dir)
-        services = await asyncio.gather(
-            *(_service_health(key, s) for key, s in state.get("services", {}).items())
-        )
+        # What an org's user may see of each: not pids nor health URLs.
+        shown = ("service", "url", "running", "restarts", "healthy", "problem")
+        services = [
+            {field: row.get(field) for field in shown}
+            for row in await services_health(state.get("services", {}))
+        ]
         token = _caller_token(request)
         return {
             "supervised": bool(state),
@@ -203,26 +206,6 @@ def _node_state(data_dir: Path) -> dict[str, Any]:
         return json.loads(state_path(data_dir).read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return {}
-
-
-async def _service_health(key: str, service: dict[str, Any]) -> dict[str, Any]:
-    healthy, problem = False, None
-    try:
-        async with httpx.AsyncClient(timeout=2.0) as client:
-            response = await client.get(service["health"])
-        healthy = response.status_code == 200
-        if not healthy:
-            problem = response.json().get("detail") or f"HTTP {response.status_code}"
-    except (httpx.HTTPError, ValueError) as e:
-        problem = f"no answer: {type(e).__name__}"
-    return {
-        "service": key,
-        "url": service.get("url"),
-        "running": service.get("running", False),
-        "restarts": service.get("restarts", 0),
-        "healthy": healthy,
-        "problem": problem,
-    }
 
 
 def _task_apps(gateway_url: str, token: str, org_id: str) -> list[dict[str, Any]] | dict[str, str]:
