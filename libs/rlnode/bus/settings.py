@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -23,6 +24,14 @@ class KafkaSettings(BaseSettings):
         description="The broker (host:port[,host:port]). `rlnode up`, `demo` and `doctor` start "
         "an embedded one when it is not set.",
     )
+    security_protocol: Literal["PLAINTEXT", "SSL"] = Field(
+        "PLAINTEXT",
+        description="SSL: TLS with a client certificate (a node whose broker has a TLS front: "
+        "every host boundary; `rlnode kafka-cert` issues one for your own client).",
+    )
+    ssl_cafile: Path | None = Field(None, description="The node's CA (PEM), with SSL.")
+    ssl_certfile: Path | None = Field(None, description="This client's certificate (PEM).")
+    ssl_keyfile: Path | None = Field(None, description="This client's private key (PEM).")
     client_id_prefix: str = Field("rlnode", description="Prefix of every client id.")
     partitions: int = Field(3, ge=1, le=1024, description="Partitions per topic on creation.")
     replication_factor: int = Field(1, ge=1, description="Replicas per topic on creation.")
@@ -79,6 +88,22 @@ class KafkaSettings(BaseSettings):
         if not value.strip():
             raise ValueError("KAFKA_BOOTSTRAP_SERVERS is empty; give host:port[,host:port]")
         return value.strip()
+
+    @model_validator(mode="after")
+    def _ssl_files(self) -> KafkaSettings:
+        if self.security_protocol == "SSL":
+            missing = [
+                f"KAFKA_{name.upper()}"
+                for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile")
+                if getattr(self, name) is None
+            ]
+            if missing:
+                raise ValueError(
+                    f"KAFKA_SECURITY_PROTOCOL=SSL needs {', '.join(missing)}: the node's CA "
+                    "and a client certificate and key (rlnode kafka-cert NAME --out DIR "
+                    "writes them on the control host)"
+                )
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_below_session(self) -> KafkaSettings:

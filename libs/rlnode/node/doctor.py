@@ -16,6 +16,7 @@ from aiokafka import AIOKafkaProducer
 from sqlalchemy import text
 
 from rlnode.bus import Bus, ensure_topics
+from rlnode.bus.clients import connection
 from rlnode.bus.localbroker import free_port
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import topics
@@ -113,7 +114,7 @@ async def _dead_letter(kafka: KafkaSettings) -> str:
     bus_log.setLevel(logging.ERROR)  # the dead-letter warning is what this check provokes
     async with bus:
         await events.wait_assigned()
-        producer = AIOKafkaProducer(bootstrap_servers=kafka.bootstrap_servers)
+        producer = AIOKafkaProducer(**connection(kafka))
         await producer.start()
         try:
             await producer.send_and_wait(topics.JOB_EVENTS, b"not json", key=key.encode())
@@ -148,4 +149,17 @@ def _service(spec, node: NodeSettings, bootstrap: str) -> str:
         code = service.stop()
     if code != 0:
         raise RuntimeError(f"exited with {code} on SIGTERM; log {service.log_path}")
-    return f"healthy (pid {health['pid']}), stopped cleanly on SIGTERM"
+    said = f"healthy (pid {health['pid']}), stopped cleanly on SIGTERM"
+    network = health.get("info", {}).get("taskapp_network")
+    if network is not None:  # the gateway: which network its managed Task Apps get
+        if not network["ready"]:
+            raise RuntimeError(network["detail"])
+        said += f"; managed Task Apps' network: {describe_network(network)}"
+    return said
+
+
+def describe_network(network: dict) -> str:
+    if network["mode"] == "open":
+        return f"OPEN ({network['detail']})"
+    allowed = ", ".join(["the generators' rollout endpoints", *network.get("allow_to", [])])
+    return f"isolated by nftables ({network['table']}): they reach {allowed}"

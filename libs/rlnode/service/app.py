@@ -86,6 +86,9 @@ def create_service_app(
     app.state.health_checks = health_checks
     failures: list[Callable[[], dict[str, str]]] = []
     app.state.failures = failures
+    # What a service says of its mode beside its checks (name -> callable giving a JSON value).
+    health_info: dict[str, Callable[[], Any]] = {}
+    app.state.health_info = health_info
 
     @app.get(spec.health_path, tags=["ops"], summary="Liveness and readiness of this service")
     async def health() -> JSONResponse:
@@ -102,6 +105,8 @@ def create_service_app(
         }
         if failing:
             body["failing"] = failing
+        if app.state.health_info:
+            body["info"] = {name: info() for name, info in app.state.health_info.items()}
         return JSONResponse(body, status_code=503 if failing else 200)
 
     return app

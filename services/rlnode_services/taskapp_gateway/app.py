@@ -68,6 +68,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.gateway = gateway
     app.state.failures.append(gateway.failures)
     app.state.health_checks["service_token"] = lambda: keys.configured
+    # A gateway whose managed Task Apps cannot be isolated is degraded, and says why.
+    app.state.health_checks["taskapp_network"] = lambda: gateway.network.unavailable is None
+    app.state.health_info["taskapp_network"] = gateway.network.describe
     install_error_handlers(app)
     watch_database(app, gateway.engine)
     app.add_middleware(BodySizeLimit, max_bytes=MAX_BODY_BYTES)

@@ -21,6 +21,13 @@ from rlnode.messages import utc_now
 from rlnode.service.db import create_tables, session_scope
 from rlnode.taskapp.contract import RolloutRequest
 from rlnode_services.taskapp_gateway.client import TaskAppClient, TaskAppFailure
+from rlnode_services.taskapp_gateway.firewall import (
+    IsolationUnavailable,
+    NetworkMode,
+    TaskAppFirewall,
+    TaskAppNetwork,
+    table_name,
+)
 from rlnode_services.taskapp_gateway.keys import KeyProvider, KeyUnavailable
 from rlnode_services.taskapp_gateway.managed import ManagedSpec, ManagedTaskApp
 from rlnode_services.taskapp_gateway.outbound import UrlRefused, check_url
@@ -75,12 +82,20 @@ class Gateway:
         # A gateway that does not run managed Task Apps reads where they answer, as cached.
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self._endpoints: dict[tuple[str, str], tuple[float, str]] = {}
+        # The node's gateways share the database: its URL names the node's firewall table.
+        table = settings.taskapp_firewall_table or table_name(str(engine.url))
+        self.network = TaskAppNetwork(
+            NetworkMode(settings.taskapp_network),
+            TaskAppFirewall(table, settings.taskapp_allow_to),
+            own_users=self._own_users,
+        )
         create_tables(engine, *TABLES)
 
     async def start(self) -> None:
         """The gateway that runs managed Task Apps starts every registered one (the node's
         other gateways cannot start them when a rollout asks) and forgets where an earlier
-        run of it had them."""
+        run of it had them. It writes the network rules they run under first."""
+        await self.network.start(writes_rules=self.settings.runs_managed)
         if not self.settings.runs_managed:
             return
         try:
@@ -107,6 +122,7 @@ class Gateway:
     async def aclose(self) -> None:
         await asyncio.gather(*(m.stop() for m in self.managed.values()), return_exceptions=True)
         self.managed.clear()
+        await self.network.stop(writes_rules=self.settings.runs_managed)
         await self.client.aclose()
         self.keys.close()
 
@@ -124,6 +140,10 @@ class Gateway:
     async def register(self, org_id: str, body: RegisterTaskApp) -> TaskAppRecord:
         if body.url is None:
             self.check_runs_managed(body.name)
+            try:
+                self.network.require()
+            except IsolationUnavailable as e:
+                raise GatewayError(str(e), 409) from None
         if body.url is not None:
             try:
                 await check_url(body.url, self._allowed_addresses)
@@ -212,6 +232,8 @@ class Gateway:
         self._records.pop((org_id, name), None)  # after the delete, so no rollout re-caches it
         if sandbox is not None:
             await asyncio.to_thread(remove_home, self.settings.sandbox_dir / str(sandbox.uid))
+            if self._own_users:  # its processes are gone (stop killed every one of its user)
+                await self.network.release(sandbox.uid)
 
     def managed_status(self, record: TaskAppRecord) -> ManagedTaskApp | None:
         return self.managed.get((record.org_id, record.name)) if record.kind == "managed" else None
@@ -295,6 +317,7 @@ class Gateway:
                 self.client,
                 self.settings,
                 log_path,
+                self.network,
                 announce=lambda url: asyncio.to_thread(
                     self._record_endpoint, record.org_id, record.name, url
                 ),
@@ -451,7 +474,11 @@ class Gateway:
         started = time.monotonic()
         try:
             url, key = await self._target(record, job_id)
+            if record.kind == "managed":  # it may call back the generator that sent this
+                await self.network.allow_endpoint(request.policy.config.inference_url)
             call = await self.client.rollout(url, key, request, timeout)
+        except IsolationUnavailable as e:
+            return self._failed(request, "task_app_unreachable", str(e), None, started)
         except KeyUnavailable as e:
             return self._failed(request, "task_app_auth_refused", e.message, None, started)
         except TaskAppFailure as e:

@@ -25,8 +25,14 @@ from pathlib import Path
 from rlnode.bus.localbroker import free_port
 from rlnode.service.supervised import Supervised
 from rlnode_services.taskapp_gateway.client import TaskAppClient, TaskAppFailure
+from rlnode_services.taskapp_gateway.firewall import IsolationUnavailable, TaskAppNetwork
 from rlnode_services.taskapp_gateway.keys import KeyProvider, KeyUnavailable
-from rlnode_services.taskapp_gateway.sandbox import Sandbox, prepare_home, readable_by
+from rlnode_services.taskapp_gateway.sandbox import (
+    Sandbox,
+    kill_user_processes,
+    prepare_home,
+    readable_by,
+)
 from rlnode_services.taskapp_gateway.settings import GatewaySettings
 
 log = logging.getLogger("taskapp_gateway.managed")
@@ -81,10 +87,13 @@ class ManagedTaskApp:
         client: TaskAppClient,
         settings: GatewaySettings,
         log_path: Path,
+        network: TaskAppNetwork,
         announce: Callable[[str | None], Awaitable[None]] | None = None,
     ) -> None:
-        """`announce(url)` once it is healthy, `announce(None)` once it is not."""
+        """`announce(url)` once it is healthy, `announce(None)` once it is not. `network`
+        confines its user before it starts (firewall.py)."""
         self.spec = spec
+        self.network = network
         self.announce = announce
         self.keys = keys
         self.client = client
@@ -208,6 +217,11 @@ class ManagedTaskApp:
         sandbox = self.spec.sandbox
         argv = resolve_argv(self.spec.argv)
         self._check_readable(argv)
+        try:
+            # Before its first instruction: the rules hold from the process's start.
+            await self.network.confine(sandbox.uid)
+        except IsolationUnavailable as e:
+            raise KeyUnavailable(str(e)) from None
         home = await asyncio.to_thread(prepare_home, sandbox.home, sandbox.uid)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         try:
@@ -319,6 +333,14 @@ class ManagedTaskApp:
 
     async def _terminate(self) -> None:
         proc, self._proc = self._proc, None
+        try:
+            await self._stop_process(proc)
+        finally:
+            uid = self.spec.sandbox.uid
+            if uid is not None:  # what it left running in a session of its own goes too
+                await asyncio.to_thread(kill_user_processes, uid)
+
+    async def _stop_process(self, proc: asyncio.subprocess.Process | None) -> None:
         if proc is None or proc.returncode is not None:
             return
         with contextlib.suppress(ProcessLookupError):

@@ -124,6 +124,36 @@ def prepare_home(home: Path, uid: int | None) -> Path:
     return home
 
 
+def kill_user_processes(uid: int, rounds: int = 5) -> int:
+    """SIGKILL every process of `uid` (a Task App's own user): what it forked into a session
+    of its own escapes the process group a stop signals, and must not outlive it (nor
+    its network rules). Repeated while it still finds some (one may fork as it dies).
+    How many it killed."""
+    killed = 0
+    for _ in range(rounds):
+        found = [pid for pid in _pids() if _owner(pid) == uid]
+        if not found:
+            break
+        for pid in found:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+            except (ProcessLookupError, PermissionError):
+                pass
+    return killed
+
+
+def _pids() -> list[int]:
+    return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+
+
+def _owner(pid: int) -> int | None:
+    try:
+        return os.stat(f"/proc/{pid}").st_uid
+    except OSError:
+        return None
+
+
 def remove_home(home: Path) -> None:
     shutil.rmtree(home, ignore_errors=True)
 

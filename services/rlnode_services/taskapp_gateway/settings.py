@@ -6,11 +6,12 @@ import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.service.registry import GATEWAY
 from rlnode.service.settings import VaultClientSettings
+from rlnode_services.taskapp_gateway.firewall import parse_allowances
 
 SERVICE = GATEWAY
 
@@ -57,6 +58,26 @@ class GatewaySettings(VaultClientSettings):
         Path(tempfile.gettempdir()) / "rlnode-taskapps",
         description="Where each managed Task App gets its private home directory.",
     )
+    taskapp_network: Literal["isolated", "open"] = Field(
+        "isolated",
+        description="isolated: each managed Task App reaches the generators' rollout "
+        "endpoints, the gateway's calls and what GATEWAY_TASKAPP_ALLOW_TO names, nothing else "
+        "(per-uid nftables rules: needs root and nft; without them managed Task Apps do not "
+        "start); open: no network rules (every port of the machine is within a Task App's "
+        "reach: the broker, the vault, other orgs' Task Apps). docs/security.md.",
+    )
+    taskapp_allow_to: list[str] = Field(
+        default_factory=list,
+        description="What else managed Task Apps may reach, isolated (JSON list of CIDRs, or "
+        '"public": every public address, and DNS), e.g. ["public"] for an app that calls an '
+        "outside API.",
+    )
+    taskapp_firewall_table: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z][A-Za-z0-9_]{0,30}$",
+        description="The nftables table of this node's Task App rules; default: named from "
+        "the database the node's gateways share.",
+    )
     taskapp_path: str = Field(
         "/usr/local/bin:/usr/bin:/bin", description="PATH of managed Task Apps."
     )
@@ -95,3 +116,9 @@ class GatewaySettings(VaultClientSettings):
         description="How long a Task App's registration is reused for rollouts before it is "
         "read from the database again (this gateway's own changes apply at once).",
     )
+
+    @field_validator("taskapp_allow_to")
+    @classmethod
+    def _allowances(cls, value: list[str]) -> list[str]:
+        parse_allowances(value)  # says which entry is neither "public" nor a CIDR
+        return value

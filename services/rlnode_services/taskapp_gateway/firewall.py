@@ -1,0 +1,357 @@
+"""What a managed Task App may reach on the network: per-uid nftables rules (docs/decisions.md).
+
+Each managed Task App runs as a uid of its own (sandbox.py). The node's gateways keep one
+nftables table (`inet <table>`, one per node: named from the database its gateways share)
+whose output hook sends every packet of those uids through `confine`:
+
+- replies on connections made to it (the gateway's calls: `ct state established`);
+- TCP to the generators' per-rollout endpoints (`rollout4`/`rollout6`: address . port),
+  added by whichever gateway passes a rollout to the app, from the inference URL a
+  generator's service token sent it; never from a user's input;
+- what the operator allows (`GATEWAY_TASKAPP_ALLOW_TO`: CIDRs, or `public`: any address
+  that is not private, loopback, link-local, reserved or the machine's own, and DNS to the
+  resolvers of /etc/resolv.conf);
+- nothing else: TCP is reset (connection refused), the rest rejected.
+
+The uid joins `taskapps` before the process starts and leaves it once it is gone. The
+gateway that runs the managed Task Apps writes the chains at start and removes the table
+at a clean stop; the node's other gateways only add endpoints (and the sets they need).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import ipaddress
+import logging
+import os
+import re
+import shutil
+import socket
+import time
+from enum import StrEnum
+from pathlib import Path
+from urllib.parse import urlsplit
+
+log = logging.getLogger("taskapp_gateway.firewall")
+
+OPEN_SETTING = "GATEWAY_TASKAPP_NETWORK=open"
+ENDPOINT_REFRESH_S = 30.0  # a gateway adds an endpoint again after this (the table may be new)
+NONPUBLIC_V4 = (
+    "0.0.0.0/8",
+    "10.0.0.0/8",
+    "100.64.0.0/10",
+    "127.0.0.0/8",
+    "169.254.0.0/16",
+    "172.16.0.0/12",
+    "192.0.0.0/24",
+    "192.0.2.0/24",
+    "192.168.0.0/16",
+    "198.18.0.0/15",
+    "198.51.100.0/24",
+    "203.0.113.0/24",
+    "224.0.0.0/3",
+)
+NONPUBLIC_V6 = ("::/127", "::ffff:0:0/96", "64:ff9b::/96", "fc00::/7", "fe80::/10", "ff00::/8")
+
+
+class NetworkMode(StrEnum):
+    ISOLATED = "isolated"  # the rules above; a managed Task App does not start without them
+    OPEN = "open"  # no rules: every port of the machine is the Task App's to try
+
+
+class IsolationUnavailable(RuntimeError):
+    """The rules cannot be installed here; the message says why and what accepts the risk."""
+
+
+def table_name(node_identity: str) -> str:
+    """One table per node: its gateways share a database, so its URL names the node."""
+    return "rlnode_" + hashlib.blake2b(node_identity.encode(), digest_size=6).hexdigest()
+
+
+def parse_allowances(
+    entries: list[str],
+) -> tuple[bool, list[ipaddress.IPv4Network | ipaddress.IPv6Network]]:
+    """(`public` given, the CIDRs); an entry that is neither says so."""
+    public, networks = False, []
+    for entry in entries:
+        if entry == "public":
+            public = True
+            continue
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            raise ValueError(
+                f"GATEWAY_TASKAPP_ALLOW_TO entry {entry!r} is neither 'public' nor a CIDR "
+                "(e.g. 203.0.113.7/32 or 2001:db8::/48)"
+            ) from None
+    return public, networks
+
+
+def resolvers(
+    path: Path = Path("/etc/resolv.conf"),
+) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    found = []
+    try:
+        text = path.read_text()
+    except OSError:
+        return []
+    for match in re.finditer(r"^\s*nameserver\s+(\S+)", text, re.MULTILINE):
+        try:
+            found.append(ipaddress.ip_address(match.group(1).split("%")[0]))
+        except ValueError:
+            continue
+    return found
+
+
+def _elements(values) -> str:
+    return "{ " + ", ".join(str(v) for v in values) + " }"
+
+
+class TaskAppFirewall:
+    def __init__(self, table: str, allow_to: list[str], nft: str | None = None) -> None:
+        self.table = table
+        self.public, self.networks = parse_allowances(allow_to)
+        self.nft = nft or shutil.which("nft") or "/usr/sbin/nft"
+        self._endpoints: dict[tuple[str, int], float] = {}  # -> when this gateway added it
+        self._lock = asyncio.Lock()
+
+    # -- what the rules are --------------------------------------------------------------
+
+    def _sets(self) -> list[str]:
+        """The sets every gateway of the node may need (`add` leaves existing ones as they are)."""
+        t = f"inet {self.table}"
+        return [
+            f"add table {t}",
+            f"add set {t} taskapps {{ typeof meta skuid ; }}",
+            f"add set {t} rollout4 {{ typeof ip daddr . tcp dport ; }}",
+            f"add set {t} rollout6 {{ typeof ip6 daddr . tcp dport ; }}",
+        ]
+
+    def ruleset(self) -> str:
+        """The whole table as the gateway that runs the managed Task Apps writes it."""
+        t = f"inet {self.table}"
+        v4 = [n for n in self.networks if n.version == 4]
+        v6 = [n for n in self.networks if n.version == 6]
+        lines = [
+            *self._sets(),
+            f"add set {t} allow4 {{ type ipv4_addr ; flags interval ; }}",
+            f"add set {t} allow6 {{ type ipv6_addr ; flags interval ; }}",
+            f"add chain {t} output {{ type filter hook output priority 0 ; policy accept ; }}",
+            f"add chain {t} confine",
+            f"flush chain {t} output",
+            f"flush chain {t} confine",
+            f"flush set {t} taskapps",  # its Task Apps died with the gateway that ran them
+            f"flush set {t} allow4",
+            f"flush set {t} allow6",
+        ]
+        if v4:
+            lines.append(f"add element {t} allow4 {_elements(v4)}")
+        if v6:
+            lines.append(f"add element {t} allow6 {_elements(v6)}")
+        rule = f"add rule {t} confine"
+        lines += [
+            # Packets without a socket (the kernel's own replies) have no uid: not matched.
+            f"add rule {t} output meta skuid @taskapps jump confine",
+            f"{rule} ct state established,related accept",
+            f"{rule} ip daddr . tcp dport @rollout4 accept",
+            f"{rule} ip6 daddr . tcp dport @rollout6 accept",
+            f"{rule} ip daddr @allow4 accept",
+            f"{rule} ip6 daddr @allow6 accept",
+        ]
+        if self.public:
+            dns = resolvers()
+            dns4 = [a for a in dns if a.version == 4]
+            dns6 = [a for a in dns if a.version == 6]
+            if dns4:
+                lines.append(
+                    f"{rule} ip daddr {_elements(dns4)} meta l4proto {{ tcp, udp }} th dport 53 accept"
+                )
+            if dns6:
+                lines.append(
+                    f"{rule} ip6 daddr {_elements(dns6)} meta l4proto {{ tcp, udp }} th dport 53 accept"
+                )
+            lines += [
+                f"{rule} fib daddr type != local ip daddr != {_elements(NONPUBLIC_V4)} accept",
+                f"{rule} fib daddr type != local ip6 daddr != {_elements(NONPUBLIC_V6)} accept",
+            ]
+        lines += [
+            f"{rule} meta l4proto tcp counter reject with tcp reset",
+            f"{rule} counter reject with icmpx admin-prohibited",
+        ]
+        return "\n".join(lines) + "\n"
+
+    # -- applying them -------------------------------------------------------------------
+
+    async def _run(self, script: str, check_only: bool = False) -> None:
+        argv = [self.nft, *(["-c"] if check_only else []), "-f", "-"]
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+        except OSError as e:
+            raise IsolationUnavailable(
+                f"cannot run nft ({self.nft}: {e.strerror}): install nftables "
+                "(Debian: apt-get install nftables)"
+            ) from None
+        _, err = await proc.communicate(script.encode())
+        if proc.returncode != 0:
+            raise IsolationUnavailable(
+                f"nft refused the rules: {err.decode(errors='replace').strip()}"
+            )
+
+    async def check(self) -> None:
+        """Whether the rules can be installed here (root, nft, the kernel's nf_tables):
+        IsolationUnavailable saying why otherwise. Installs nothing."""
+        if os.geteuid() != 0:
+            raise IsolationUnavailable(
+                "the gateway does not run as root, so its managed Task Apps cannot have users "
+                "and per-user firewall rules of their own"
+            )
+        await self._run(self.ruleset(), check_only=True)
+
+    async def install(self) -> None:
+        async with self._lock:
+            await self._run(self.ruleset())
+            self._endpoints.clear()
+
+    async def remove(self) -> None:
+        async with self._lock:
+            proc = await asyncio.create_subprocess_exec(
+                self.nft,
+                "delete",
+                "table",
+                "inet",
+                self.table,
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            await proc.wait()
+            self._endpoints.clear()
+
+    async def confine(self, uid: int) -> None:
+        """From now on, what `uid` sends goes through the rules."""
+        async with self._lock:
+            await self._run(
+                "\n".join([*self._sets(), f"add element inet {self.table} taskapps {{ {uid} }}"])
+            )
+
+    async def release(self, uid: int) -> None:
+        async with self._lock:
+            script = [*self._sets(), f"delete element inet {self.table} taskapps {{ {uid} }}"]
+            try:
+                await self._run("\n".join(script))
+            except IsolationUnavailable as e:  # not there: nothing to release
+                log.debug("releasing uid %d: %s", uid, e)
+
+    async def allow_endpoint(self, inference_url: str) -> None:
+        """Let Task Apps reach the generator endpoint `inference_url` names (host and port)."""
+        parts = urlsplit(inference_url)
+        if parts.hostname is None:
+            return
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        now = time.monotonic()
+        key = (parts.hostname, port)
+        seen = self._endpoints.get(key)
+        if seen is not None and now - seen < ENDPOINT_REFRESH_S:
+            return
+        addresses = await _addresses(parts.hostname, port)
+        elements = []
+        for address in addresses:
+            set_name = "rollout4" if address.version == 4 else "rollout6"
+            elements.append(f"add element inet {self.table} {set_name} {{ {address} . {port} }}")
+        async with self._lock:
+            await self._run("\n".join([*self._sets(), *elements]))
+        self._endpoints[key] = now
+
+
+async def _addresses(host: str, port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
+    try:
+        return [ipaddress.ip_address(host)]
+    except ValueError:
+        pass
+    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    return sorted({ipaddress.ip_address(info[4][0]) for info in infos}, key=str)
+
+
+def refusal(why: str) -> str:
+    return (
+        f"managed Task Apps cannot be isolated on this node ({why}), so they do not start: run "
+        "the gateway as root with nftables installed, or accept the risk with "
+        f"{OPEN_SETTING} (each Task App then reaches every port of the machine: the broker, "
+        "the vault, other orgs' Task Apps)"
+    )
+
+
+class TaskAppNetwork:
+    """The network mode of a gateway's managed Task Apps, and whether it holds here."""
+
+    def __init__(
+        self, mode: NetworkMode, firewall: TaskAppFirewall | None, own_users: bool
+    ) -> None:
+        self.mode = mode
+        self.firewall = firewall if mode is NetworkMode.ISOLATED else None
+        self.unavailable: str | None = None
+        if self.firewall is not None and not own_users:
+            self.unavailable = refusal(
+                "they run as the gateway's own user (GATEWAY_SANDBOX_USER=off, or the gateway "
+                "is not root), and per-user rules would confine the gateway too"
+            )
+
+    async def start(self, writes_rules: bool) -> None:
+        """The gateway that runs the managed Task Apps writes the rules; the others check
+        that they could add endpoints."""
+        if self.firewall is None or self.unavailable:
+            return
+        try:
+            await (self.firewall.install() if writes_rules else self.firewall.check())
+        except IsolationUnavailable as e:
+            self.unavailable = refusal(str(e))
+            log.error("%s", self.unavailable)
+
+    async def stop(self, writes_rules: bool) -> None:
+        if self.firewall is not None and writes_rules and not self.unavailable:
+            await self.firewall.remove()
+
+    def require(self) -> None:
+        if self.unavailable:
+            raise IsolationUnavailable(self.unavailable)
+
+    async def confine(self, uid: int | None) -> None:
+        """Before a managed Task App of `uid` starts."""
+        if self.firewall is None:
+            return
+        self.require()
+        assert uid is not None, "own users are checked at start"
+        await self.firewall.confine(uid)
+
+    async def release(self, uid: int | None) -> None:
+        if self.firewall is not None and uid is not None and not self.unavailable:
+            await self.firewall.release(uid)
+
+    async def allow_endpoint(self, inference_url: str) -> None:
+        if self.firewall is not None:
+            self.require()
+            await self.firewall.allow_endpoint(inference_url)
+
+    def describe(self) -> dict[str, object]:
+        """For /health and `rlnode doctor`."""
+        described: dict[str, object] = {"mode": self.mode.value, "ready": not self.unavailable}
+        if self.firewall is not None:
+            described["table"] = f"inet {self.firewall.table}"
+            described["allow_to"] = [
+                *(["public"] if self.firewall.public else []),
+                *map(str, self.firewall.networks),
+            ]
+        if self.unavailable:
+            described["detail"] = self.unavailable
+        elif self.mode is NetworkMode.OPEN:
+            described["detail"] = (
+                f"{OPEN_SETTING}: managed Task Apps reach every port of the machine (the "
+                "broker, the vault, other orgs' Task Apps); only for nodes whose every "
+                "registrant is trusted"
+            )
+        return described

@@ -1,0 +1,148 @@
+"""The nftables rules that confine managed Task Apps (firewall.py): what they say, that the
+kernel takes them, and what a gateway does where they cannot be installed."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+from rlnode.service.db import make_engine
+from rlnode_services.taskapp_gateway.firewall import (
+    OPEN_SETTING,
+    IsolationUnavailable,
+    NetworkMode,
+    TaskAppFirewall,
+    TaskAppNetwork,
+    parse_allowances,
+    resolvers,
+    table_name,
+)
+from rlnode_services.taskapp_gateway.gateway import Gateway, GatewayError
+from rlnode_services.taskapp_gateway.keys import KeyProvider
+from rlnode_services.taskapp_gateway.schemas import RegisterTaskApp
+from rlnode_services.taskapp_gateway.settings import GatewaySettings
+
+NFT = shutil.which("nft")
+can_install = pytest.mark.skipif(
+    os.geteuid() != 0 or NFT is None, reason="needs root and nft (make setup installs nftables)"
+)
+
+
+def test_allowances_are_public_or_cidrs_and_a_bad_one_is_named() -> None:
+    public, networks = parse_allowances(["public", "10.1.0.0/16", "2001:db8::/48"])
+    assert public and [str(n) for n in networks] == ["10.1.0.0/16", "2001:db8::/48"]
+    with pytest.raises(ValueError, match="'internet' is neither 'public' nor a CIDR"):
+        parse_allowances(["internet"])
+    with pytest.raises(ValueError, match="GATEWAY_TASKAPP_ALLOW_TO"):
+        GatewaySettings(taskapp_allow_to=["nope"])
+
+
+def test_by_default_a_task_app_gets_replies_and_rollout_endpoints_and_is_refused_the_rest() -> None:
+    rules = TaskAppFirewall("rlnode_t", []).ruleset()
+    confine = [line for line in rules.splitlines() if " confine " in line and "add rule" in line]
+    assert [line.split(" confine ", 1)[1] for line in confine] == [
+        "ct state established,related accept",
+        "ip daddr . tcp dport @rollout4 accept",
+        "ip6 daddr . tcp dport @rollout6 accept",
+        "ip daddr @allow4 accept",
+        "ip6 daddr @allow6 accept",
+        "meta l4proto tcp counter reject with tcp reset",
+        "counter reject with icmpx admin-prohibited",
+    ]
+    assert "add rule inet rlnode_t output meta skuid @taskapps jump confine" in rules
+    assert "fib" not in rules  # no public addresses unless the operator says so
+
+
+def test_public_allows_what_is_not_private_nor_the_machine_and_dns_to_its_resolvers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("search example\nnameserver 10.0.0.53\nnameserver fd00::53\n")
+    assert [str(a) for a in resolvers(conf)] == ["10.0.0.53", "fd00::53"]
+    monkeypatch.setattr(
+        "rlnode_services.taskapp_gateway.firewall.resolvers", lambda: resolvers(conf)
+    )
+    rules = TaskAppFirewall("rlnode_t", ["public", "192.168.7.0/24"]).ruleset()
+    assert "add element inet rlnode_t allow4 { 192.168.7.0/24 }" in rules
+    assert "ip daddr { 10.0.0.53 } meta l4proto { tcp, udp } th dport 53 accept" in rules
+    public = [line for line in rules.splitlines() if "fib daddr type != local" in line]
+    assert len(public) == 2 and "127.0.0.0/8" in public[0] and "fe80::/10" in public[1]
+
+
+def test_one_table_per_node_named_from_what_its_gateways_share() -> None:
+    one, other = table_name("sqlite:////a/gateway.db"), table_name("sqlite:////b/gateway.db")
+    assert one != other and one == table_name("sqlite:////a/gateway.db")
+    assert one.startswith("rlnode_") and len(one) <= 31
+
+
+@can_install
+async def test_the_kernel_takes_the_rules_and_they_go_with_the_gateway() -> None:
+    firewall = TaskAppFirewall(table_name(f"unit-{os.getpid()}"), ["public", "10.9.0.0/16"])
+    await firewall.check()
+    await firewall.install()
+    try:
+        await firewall.confine(4_000_123)
+        await firewall.allow_endpoint("http://127.0.0.1:8731/rollouts/abc")
+        await firewall.allow_endpoint("http://localhost:8732/rollouts/abc")
+        listed = await _list(firewall.table)
+        assert "4000123" in listed and "127.0.0.1 . 8731" in listed
+        assert "127.0.0.1 . 8732" in listed or "::1 . 8732" in listed
+        await firewall.release(4_000_123)
+        assert "4000123" not in await _list(firewall.table)
+    finally:
+        await firewall.remove()
+    assert firewall.table not in await _list_tables()
+
+
+def test_without_users_of_their_own_isolation_is_refused_naming_the_setting() -> None:
+    network = TaskAppNetwork(NetworkMode.ISOLATED, TaskAppFirewall("rlnode_t", []), own_users=False)
+    with pytest.raises(IsolationUnavailable, match=OPEN_SETTING):
+        network.require()
+    assert network.describe()["ready"] is False
+    assert TaskAppNetwork(NetworkMode.OPEN, None, own_users=False).describe()["ready"] is True
+
+
+async def test_a_gateway_that_cannot_isolate_refuses_to_start_managed_task_apps(
+    tmp_path: Path,
+) -> None:
+    settings = GatewaySettings(
+        sandbox_user="off", sandbox_dir=tmp_path / "homes", allow_urls_to=["loopback"]
+    )
+    engine = make_engine(f"sqlite:///{tmp_path / 'gateway.sqlite3'}")
+    gateway = Gateway(engine, settings, KeyProvider("http://127.0.0.1:9", None, 0), tmp_path)
+    await gateway.start()
+    try:
+        with pytest.raises(GatewayError) as refused:
+            await gateway.register(
+                "org-a", RegisterTaskApp(name="app", command=[sys.executable, "-c", "pass"])
+            )
+        assert refused.value.status == 409 and OPEN_SETTING in refused.value.message
+        assert gateway.list("org-a") == []
+        # External Task Apps are not its to confine.
+        await gateway.register("org-a", RegisterTaskApp(name="ext", url="http://127.0.0.1:9/"))
+    finally:
+        await gateway.aclose()
+
+
+async def _list(table: str) -> str:
+    import asyncio
+
+    proc = await asyncio.create_subprocess_exec(
+        "nft", "list", "table", "inet", table, stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    return out.decode()
+
+
+async def _list_tables() -> str:
+    import asyncio
+
+    proc = await asyncio.create_subprocess_exec(
+        "nft", "list", "tables", stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    return out.decode()
