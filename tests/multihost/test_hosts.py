@@ -12,8 +12,11 @@ are used between hosts (each service listens on its host's address, not loopback
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
+import socket
+import ssl
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -21,13 +24,15 @@ from pathlib import Path
 import pytest
 
 from rlnode import testing
+from rlnode.bus.pki import NodeCA
+from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import example_job
 from rlnode.messages import JobEventType
 from rlnode.models.build import init_tiny_model
 from rlnode.node import testhosts as hosts
 from rlnode.node.chaos import trained_once
 from rlnode.node.roles import JoinInfo, join_path
-from rlnode.node.testhosts import HostProcess, User
+from rlnode.node.testhosts import HostProcess, User, kafka_client_outcome
 
 pytestmark = pytest.mark.skipif(
     (why := hosts.available()) is not None, reason=f"no test hosts here: {why}"
@@ -54,10 +59,13 @@ def test_a_job_over_three_hosts_survives_a_killed_generator_and_a_pulled_cable(
     with ExitStack() as stack:
         control = HostProcess(a, tmp_path / "a", ["--role", "control,training"], weights)
         stack.callback(control.stop)
-        control.wait_up(180)
+        control_state = control.wait_up(180)
         join_file = join_path(control.data_dir)
         join = JoinInfo.read(join_file)
         assert all(a.address in url for url in (join.bootstrap, join.vault_url, join.learner_url))
+        # The user, from this machine: an org, its key, a Kafka certificate (rlnode kafka-cert).
+        user = User.create(control)
+        check_kafka_is_authenticated(control_state, join, user, tmp_path)
         inference = []
         for host in (b, c):
             process = HostProcess(
@@ -72,8 +80,7 @@ def test_a_job_over_three_hosts_survives_a_killed_generator_and_a_pulled_cable(
         for host, state in zip((b, c), states, strict=True):
             assert state["services"][GENERATOR]["url"].startswith(f"http://{host.address}:")
 
-        # The user, from this machine: an org, its key, the managed Task App, a job.
-        user = User.create(control)
+        # The managed Task App, a job.
         assert user.register_example_task_app("copy", "copy_task")["ok"]
         config = example_job(
             "copy_task",
@@ -113,3 +120,32 @@ def test_a_job_over_three_hosts_survives_a_killed_generator_and_a_pulled_cable(
     checkpoints = control.data_dir / "checkpoints" / user.org_id / job_id / "checkpoints"
     assert trained_once(checkpoints, job_id, STEPS, PROMPTS, GROUP) == (0, 0)
     assert done["step"] == STEPS
+
+
+def check_kafka_is_authenticated(state: dict, join: JoinInfo, user: User, tmp: Path) -> None:
+    """Across hosts, Kafka is the TLS front's: a client without a certificate of the node's
+    CA is refused (plain, TLS without one, one of another CA); the broker's own port is not
+    reachable from another host; the user's certificate works."""
+    assert state["kafka_tls_front"]["address"] == join.bootstrap, state
+    plain = KafkaSettings(bootstrap_servers=join.bootstrap)
+    node_ca = user.kafka.ssl_cafile
+    assert join.kafka_tls and node_ca is not None
+    no_certificate = ssl.create_default_context(cafile=str(node_ca))
+    other = NodeCA.ensure(tmp / "other-ca").write_identity(tmp / "mallory", "mallory")
+    foreign = ssl.create_default_context(cafile=str(node_ca))
+    foreign.load_cert_chain(other.cert, other.key)
+    outcomes = {
+        "plain": asyncio.run(kafka_client_outcome(plain)),
+        "tls without a certificate": asyncio.run(
+            kafka_client_outcome(plain, security_protocol="SSL", ssl_context=no_certificate)
+        ),
+        "a certificate of another CA": asyncio.run(
+            kafka_client_outcome(plain, security_protocol="SSL", ssl_context=foreign)
+        ),
+    }
+    assert all(o.startswith("refused") for o in outcomes.values()), outcomes
+    broker_port = int(state["broker_listens"].rsplit(":", 1)[1])
+    front_host = join.bootstrap.rsplit(":", 1)[0]
+    with pytest.raises(OSError):
+        socket.create_connection((front_host, broker_port), timeout=3).close()
+    assert asyncio.run(kafka_client_outcome(user.kafka)).startswith("topics: "), user.kafka

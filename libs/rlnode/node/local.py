@@ -19,11 +19,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlnode.bus import ensure_topics
+from rlnode.bus.front import KafkaTlsFront
 from rlnode.bus.localbroker import LocalBroker, Storage, free_port
 from rlnode.bus.objectstore import LocalObjectStore
+from rlnode.bus.pki import Identity
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
 from rlnode.messages import JobConfig, JobEvent
+from rlnode.node.kafka_tls import (
+    OPERATOR,
+    client_identity,
+    front_identity,
+    identities_from_join,
+    join_payload,
+)
 from rlnode.node.plan import (
     GpuPlan,
     engine_settings,
@@ -53,6 +62,8 @@ from rlnode.training.network import RENDEZVOUS_PORT
 log = logging.getLogger("rlnode.node.local")
 
 OBJECT_STORE = "objectstore"  # the embedded broker's store, in `restarts` and chaos targets
+FRONT = "kafka-front"  # the broker's TLS front, in `restarts` and chaos targets
+LOOPBACK = "127.0.0.1"
 
 
 @dataclass
@@ -90,6 +101,11 @@ class NodeOptions:
     # names itself; the learner's rendezvous listens on `host`:`rendezvous_port` for them.
     rank_hosts: tuple[str, ...] = ()
     rendezvous_port: int = RENDEZVOUS_PORT
+    # The embedded broker behind a TLS front (haproxy) that requires a client certificate of
+    # the node's CA; Tansu itself on loopback only. None: on when `host` is not loopback (a
+    # node over several hosts), off on one machine (there, only the node's own processes
+    # reach loopback: managed Task Apps are kept off it by the gateway's network rules).
+    kafka_tls: bool | None = None
 
     @property
     def rendezvous(self) -> str:
@@ -145,6 +161,9 @@ class LocalNode:
         self.broker: LocalBroker | None = None
         self.object_store: LocalObjectStore | None = None  # the broker's, when durable
         self.bootstrap = options.kafka_bootstrap or ""
+        self.front: KafkaTlsFront | None = None  # the broker's TLS front, when it has one
+        # Client certificates for Kafka over TLS: each service's, and the node's own tools'.
+        self.kafka_identities: dict[str, Identity] = {}
         self.processes: dict[str, ServiceProcess] = {}
         self.admin_token = ""
         self.restarts: dict[str, int] = {}
@@ -172,9 +191,10 @@ class LocalNode:
             )
         if join is not None:
             self.bootstrap = join.bootstrap
+            if join.kafka_tls:
+                self.kafka_identities = identities_from_join(self.data_dir, join.kafka_tls)
         elif not self.bootstrap:
-            self.broker = self._embedded_broker().start()
-            self.bootstrap = self.broker.bootstrap_servers
+            self._start_embedded_broker()
         if VAULT.name in wanted:  # topics are the control host's to make
             asyncio.run(ensure_topics(self.kafka_settings()))
         if join is None:
@@ -232,8 +252,10 @@ class LocalNode:
         for spec in (s for s in SERVICES if s.name in JOINING_SERVICES):
             tokens[spec.name] = self.service_token(list(spec.token_scopes), spec.name)
         serving = self.processes.get(CHECKPOINT_SERVER.name)
+        joining_tls = join_payload(self.data_dir, JOINING_SERVICES) if self.front else {}
         info = JoinInfo(
             bootstrap=self.bootstrap,
+            kafka_tls=joining_tls,
             vault_url=self.url(VAULT.name),
             gateway_urls=gateway_urls,
             service_tokens=tokens,
@@ -243,16 +265,47 @@ class LocalNode:
         )
         return info.write(join_path(self.data_dir))
 
-    def _embedded_broker(self) -> LocalBroker:
+    @property
+    def wants_kafka_tls(self) -> bool:
+        if self.options.kafka_tls is not None:
+            return self.options.kafka_tls
+        return self.options.host != LOOPBACK
+
+    def _start_embedded_broker(self) -> None:
+        """Tansu, on this host's address; or, with a TLS front, on loopback only behind
+        the front, which Tansu names to clients as where the broker is."""
         storage = self.options.broker_storage or NodeSettings().broker_storage
         if storage == "durable":
             self.object_store = broker_object_store(self.data_dir).start()
-        return LocalBroker(
-            host=self.options.host,
+        host = self.options.host
+        tls = self.wants_kafka_tls
+        front_port = free_port(host) if tls else None
+        self.broker = LocalBroker(
+            host=LOOPBACK if tls else host,
             log_path=self.data_dir / "logs" / "broker.log",
             storage=storage,
             object_store=self.object_store,
-        )
+            advertised=f"{host}:{front_port}" if tls else None,
+        ).start()
+        self.bootstrap = self.broker.bootstrap_servers
+        if not tls:
+            return
+        self.front = KafkaTlsFront(
+            host,
+            self.broker.bootstrap_servers,
+            front_identity(self.data_dir, (host,)),
+            self.data_dir / "front",
+            port=front_port,
+            log_path=self.data_dir / "logs" / "kafka-front.log",
+        ).start()
+        self.bootstrap = self.front.address
+        names = (OPERATOR, *(spec.name for spec in SERVICES))
+        self.kafka_identities = {name: client_identity(self.data_dir, name) for name in names}
+
+    def kafka_env(self, service: str) -> dict[str, str]:
+        """The KAFKA_* settings of `service`'s clients: its certificate, over TLS."""
+        identity = self.kafka_identities.get(service)
+        return identity.kafka_env() if identity else {}
 
     @property
     def state_path(self) -> Path:
@@ -313,6 +366,7 @@ class LocalNode:
                 "KAFKA_SESSION_TIMEOUT_MS": str(self.options.session_timeout_ms),
                 "KAFKA_HEARTBEAT_INTERVAL_MS": str(self.options.session_timeout_ms // 3),
                 "RLNODE_DATA_DIR": str(self.data_dir),
+                **self.kafka_env(spec.name),
                 **{f"{spec.env_prefix}{name}": value for name, value in own.items()},
                 **(env or {}),
                 **self.options.env.get(spec.name, {}),
@@ -365,7 +419,7 @@ class LocalNode:
         again and every service on the bus is started again to begin from the empty topics
         (the learner resumes each running job from its last checkpoint and issues its work
         again)."""
-        said = self._supervise_object_store()
+        said = self._supervise_object_store() + self._supervise_front()
         broker = self.broker
         if broker is None or broker.running:
             return said
@@ -397,6 +451,19 @@ class LocalNode:
             self.restarts[key] = self.restarts.get(key, 0) + 1
         return said
 
+    def _supervise_front(self) -> list[str]:
+        """The TLS front, started again on its port (clients reconnect through it)."""
+        front = self.front
+        if front is None or front.running:
+            return []
+        said = [f"the Kafka TLS front exited with code {front.exit_code}; starting it again"]
+        try:
+            front.start()
+        except Exception as e:  # tried again next round
+            return [*said, f"the Kafka TLS front could not be started again: {e}"]
+        self.restarts[FRONT] = self.restarts.get(FRONT, 0) + 1
+        return [*said, f"Kafka TLS front started again (pid {front.pid})"]
+
     def _supervise_object_store(self) -> list[str]:
         """The broker's object store, started again on its port and data: the broker's
         requests meanwhile are retried (its object_store client backs off for minutes)."""
@@ -418,9 +485,13 @@ class LocalNode:
             "data_dir": str(self.data_dir),
             "bootstrap": self.bootstrap,
             "broker_pid": self.broker.pid if self.broker else None,
+            "broker_listens": self.broker.bootstrap_servers if self.broker else None,
             "broker_restarts": self.restarts.get("broker", 0),
             "broker_storage": self.broker.storage if self.broker else None,
             "objectstore_pid": self.object_store.pid if self.object_store else None,
+            "kafka_tls_front": (
+                {"address": self.front.address, "pid": self.front.pid} if self.front else None
+            ),
             "objectstore_restarts": self.restarts.get(OBJECT_STORE, 0),
             "plan": [
                 {"role": role, "gpus": gpus, "runs": runs}
@@ -446,6 +517,9 @@ class LocalNode:
         for key in reversed(list(self.processes)):
             codes[key] = self.processes[key].stop()
         self.processes.clear()
+        if self.front is not None:
+            self.front.stop()
+            self.front = None
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
@@ -463,9 +537,20 @@ class LocalNode:
 
     # -- wiring ---------------------------------------------------------------------------
 
-    def kafka_settings(self) -> KafkaSettings:
+    def kafka_settings(self, client: str = OPERATOR) -> KafkaSettings:
+        """Settings for a Kafka client of this node's (over TLS: `client`'s certificate)."""
+        identity = self.kafka_identities.get(client)
+        tls: dict = {}
+        if identity is not None:
+            tls = {
+                "security_protocol": "SSL",
+                "ssl_cafile": identity.ca,
+                "ssl_certfile": identity.cert,
+                "ssl_keyfile": identity.key,
+            }
         return KafkaSettings(
             bootstrap_servers=self.bootstrap,
+            **tls,
             session_timeout_ms=self.options.session_timeout_ms,
             heartbeat_interval_ms=self.options.session_timeout_ms // 3,
         )

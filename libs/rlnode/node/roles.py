@@ -67,6 +67,9 @@ class JoinInfo:
     # Where rank hosts join the learner (`rlnode trainer-ranks --join join.json`; "" when
     # the host that writes it runs no learner with rank hosts).
     rendezvous: str = ""
+    # Kafka over TLS (the broker's front): the node's CA certificate and a client
+    # certificate and key per joining service (rlnode.node.kafka_tls); {} without a front.
+    kafka_tls: dict = field(default_factory=dict)
     version: int = 1
     comment: str = field(
         default="rlnode join file: service tokens inside; keep it private (mode 600)"

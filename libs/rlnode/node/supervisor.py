@@ -53,6 +53,7 @@ def run_up(
     broker_storage: Storage | None = None,
     rank_hosts: tuple[str, ...] = (),
     rendezvous_port: int = RENDEZVOUS_PORT,
+    kafka_tls: bool | None = None,
 ) -> int:
     data_dir = data_dir or NodeSettings().data_dir
     state = state_path(data_dir)
@@ -78,6 +79,7 @@ def run_up(
             broker_storage=broker_storage,
             rank_hosts=rank_hosts,
             rendezvous_port=rendezvous_port,
+            kafka_tls=kafka_tls,
         )
     )
     stopping = False
@@ -91,6 +93,13 @@ def run_up(
         node.start()  # it keeps its state in node.json
         storage = f" ({node.broker.storage} storage)" if node.broker else ""
         _say(out, f"node up: broker {node.bootstrap}{storage}, data and logs under {data_dir}")
+        if node.front is not None:
+            _say(
+                out,
+                f"Kafka over TLS only, with a client certificate of the node's CA (front pid "
+                f"{node.front.pid}); a certificate for your own client: rlnode kafka-cert NAME "
+                "--out DIR",
+            )
         for key, service in node.state()["services"].items():
             _say(out, f"  {key:<28} {service['url']}  (pid {service['pid']})")
         if join is None:

@@ -200,6 +200,7 @@ class User:
     join: JoinInfo
     org_id: str
     token: str
+    kafka: KafkaSettings  # with the certificate `rlnode kafka-cert` issued them, over TLS
 
     @classmethod
     def create(cls, control: HostProcess) -> User:
@@ -210,7 +211,17 @@ class User:
             token = admin.create_org(org_id)["token"]["token"]
         with VaultClient(join.vault_url, token) as vault:
             vault.set_secret("ENVIRONMENT_API_KEY", unique_id("key"))
-        return cls(join, org_id, token)
+        kafka = KafkaSettings(bootstrap_servers=join.bootstrap)
+        if join.kafka_tls:  # the operator issues them a certificate, as an operator would
+            env = kafka_cert(control.data_dir, f"user-{org_id}", control.data_dir.parent / org_id)
+            kafka = KafkaSettings(
+                bootstrap_servers=join.bootstrap,
+                security_protocol="SSL",
+                ssl_cafile=Path(env["KAFKA_SSL_CAFILE"]),
+                ssl_certfile=Path(env["KAFKA_SSL_CERTFILE"]),
+                ssl_keyfile=Path(env["KAFKA_SSL_KEYFILE"]),
+            )
+        return cls(join, org_id, token, kafka)
 
     def register_example_task_app(self, name: str, example: str) -> dict:
         with GatewayClient(self.join.gateway_urls[0], self.token) as gateway:
@@ -218,8 +229,7 @@ class User:
             return gateway.verify(name)
 
     def jobs(self, client: str) -> JobsClient:
-        kafka = KafkaSettings(bootstrap_servers=self.join.bootstrap)
-        return JobsClient(self.org_id, self.token, kafka, client, self.join.vault_url)
+        return JobsClient(self.org_id, self.token, self.kafka, client, self.join.vault_url)
 
     def start(self, config: JobConfig) -> str:
         async def start() -> str:
@@ -253,3 +263,33 @@ class User:
             timeout_s,
             f"{job_id} ended",
         )
+
+
+def kafka_cert(control_data_dir: Path, name: str, out: Path) -> dict[str, str]:
+    """`rlnode kafka-cert NAME --out DIR` on the control host: the KAFKA_* it says to export."""
+    done = subprocess.run(
+        [sys.executable, "-m", "rlnode.cli", "kafka-cert", name, "--out", str(out)],
+        env=os.environ | {"RLNODE_DATA_DIR": str(control_data_dir)},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    exports = [line.removeprefix("export ") for line in done.stdout.splitlines()]
+    return dict(line.split("=", 1) for line in exports if "=" in line and not line.startswith("#"))
+
+
+async def kafka_client_outcome(settings: KafkaSettings, **overrides) -> str:
+    """What a Kafka client with `settings` (and aiokafka `overrides`) gets from the broker:
+    'topics: N' or the error's name."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    from rlnode.bus.clients import connection
+
+    client = AIOKafkaAdminClient(**(connection(settings) | overrides), request_timeout_ms=5000)
+    try:
+        await asyncio.wait_for(client.start(), 15)
+        return f"topics: {len(await client.list_topics())}"
+    except Exception as e:
+        return f"refused: {type(e).__name__}"
+    finally:
+        await client.close()
