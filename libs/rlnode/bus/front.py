@@ -3,7 +3,7 @@ requiring a client certificate signed by the node's CA (rlnode.bus.pki) before a
 reaches Tansu, which listens on loopback only.
 
 Why a front and not Tansu's own options: the pinned Tansu 0.6 accepts `--cert`/`--key` and
-never uses them, and its `--authentication` fails open (docs/decisions.md). haproxy is a
+never uses them, and its authentication option fails open (docs/decisions.md). haproxy is a
 maintained terminator; no TLS code of ours sits on the path. Tansu advertises the front's
 address, so every client (the node's own services too) connects through it.
 """
