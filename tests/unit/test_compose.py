@@ -23,12 +23,17 @@ from rlnode.node.compose import (
     ROLE_FILES,
     generator_port,
     host,
+    kafka_acl_script,
+    kafka_acls,
+    kafka_client_env,
+    kafka_jaas,
+    kafka_users,
     override,
     role_gpu_services,
 )
 from rlnode.node.plan import compose_gpu_services, make_plan
 from rlnode.node.roles import ROLES
-from rlnode.service.registry import GENERATOR, LEARNER, SERVICES
+from rlnode.service.registry import GATEWAY, GENERATOR, LEARNER, SERVICES
 from rlnode.service.settings import DatabaseSettings, NodeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -292,3 +297,78 @@ def test_compose_follows_the_compose_specification_schema() -> None:
     # ... and the validator does catch a broken file.
     broken = {"services": {"x": {"deploy": {"resources": {"reservations": {"devices": "all"}}}}}}
     assert list(validator.iter_errors(broken))
+
+
+# -- Kafka: SASL_SSL only, one user per service, ACLs from the code's declaration --------
+
+KAFKA_FILES = ["compose.yaml", ROLE_FILES["control"]]
+
+
+@pytest.mark.parametrize("path", KAFKA_FILES)
+def test_kafka_takes_sasl_ssl_only_and_denies_what_no_acl_allows(path) -> None:
+    document = DOCUMENTS[path]
+    env = document["services"]["kafka"]["environment"]
+    protocols = dict(p.split(":") for p in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
+    assert {name: p for name, p in protocols.items() if p != "SASL_SSL"} == {
+        "CONTROLLER": "PLAINTEXT"
+    }
+    listeners = dict(entry.split("://") for entry in env["KAFKA_LISTENERS"].split(","))
+    assert listeners["CONTROLLER"].startswith("127.0.0.1:")  # the container's loopback only
+    assert env["KAFKA_AUTHORIZER_CLASS_NAME"].endswith("StandardAuthorizer")
+    assert env["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false"
+    assert env["KAFKA_SUPER_USERS"] == "User:admin;User:ANONYMOUS"
+    for name, protocol in protocols.items():
+        if protocol == "SASL_SSL":
+            assert env[f"KAFKA_LISTENER_NAME_{name}_PLAIN_SASL_JAAS_CONFIG"] == kafka_jaas()
+    bootstrap = next(
+        s["environment"]["KAFKA_BOOTSTRAP_SERVERS"]
+        for s in document["services"].values()
+        if "KAFKA_BOOTSTRAP_SERVERS" in s.get("environment", {})
+    )
+    acls = document["services"]["kafka-acls"]
+    assert acls["command"] == [kafka_acl_script(bootstrap)]
+    assert document["secrets"]["kafka-keystore"]["file"].endswith("kafka.bundle.pem")
+
+
+def test_the_acls_are_what_the_services_read_write_and_group_by() -> None:
+    from rlnode.messages import topics
+    from rlnode_services.checkpoint_server.settings import CheckpointServerSettings
+    from rlnode_services.learner.settings import LearnerSettings
+    from rlnode_services.rollout_generator.settings import GeneratorSettings
+
+    defaults = {
+        LEARNER.name: {
+            LearnerSettings.model_fields["group_id"].default,
+            LearnerSettings.model_fields["trajectory_group_id"].default,
+        },
+        GENERATOR.name: {GeneratorSettings.model_fields["work_group"].default},
+        "checkpoint-server": {CheckpointServerSettings.model_fields["group_id"].default},
+    }
+    assert {s: set(g) for s, g in topics.GROUPS.items()} == defaults
+    granted = kafka_acls()
+    learner = {(op, name) for user, op, kind, name in granted if user == LEARNER.name}
+    assert ("Read", topics.TRAJECTORIES) in learner and ("Write", topics.ROLLOUT_WORK) in learner
+    assert ("Read", topics.JOB_EVENTS) not in learner
+    jobs = {(op, name) for user, op, _, name in granted if user == "rlnode-jobs"}
+    assert jobs == {("Write", topics.JOB_REQUESTS), ("Describe", topics.JOB_REQUESTS)}
+    assert {user for user, *_ in granted} == set(kafka_users()) - {"admin"}
+
+
+@pytest.mark.parametrize(("path", "spec", "name"), SERVICE_CASES, ids=SERVICE_IDS)
+def test_each_service_on_the_bus_is_its_own_kafka_user_over_tls(path, spec, name) -> None:
+    service = DOCUMENTS[path]["services"][name]
+    env = service["environment"]
+    if not spec.on_the_bus:
+        assert "KAFKA_SASL_USERNAME" not in env, (path, name)
+        return
+    for key, value in kafka_client_env(spec.name).items():
+        assert env[key] == value, (path, name, key)
+    assert "kafka-ca" in service["secrets"]
+
+
+def test_task_apps_share_a_network_with_the_gateway_and_generators_only() -> None:
+    services = COMPOSE["services"]
+    on_taskapps = {n for n, s in services.items() if "taskapps" in s.get("networks", [])}
+    assert on_taskapps == {"copy-task", GATEWAY.name, *_instances(COMPOSE, GENERATOR)}
+    assert services["copy-task"]["networks"] == ["taskapps"]
+    assert COMPOSE["networks"]["taskapps"]["internal"] is True

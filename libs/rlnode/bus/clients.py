@@ -35,19 +35,26 @@ def connection(settings: KafkaSettings) -> dict[str, Any]:
     """Where and how every client connects: the bootstrap servers, and TLS with the client's
     certificate when the node's broker sits behind its TLS front (rlnode.bus.front)."""
     options: dict[str, Any] = {"bootstrap_servers": settings.bootstrap_servers}
-    if settings.security_protocol == "SSL":
-        options["security_protocol"] = "SSL"
+    if settings.security_protocol != "PLAINTEXT":
+        options["security_protocol"] = settings.security_protocol
         options["ssl_context"] = ssl_context(settings)
+    if settings.security_protocol == "SASL_SSL":
+        assert settings.sasl_password is not None
+        options["sasl_mechanism"] = settings.sasl_mechanism
+        options["sasl_plain_username"] = settings.sasl_username
+        options["sasl_plain_password"] = settings.sasl_password.get_secret_value()
     return options
 
 
 def ssl_context(settings: KafkaSettings) -> ssl.SSLContext:
-    assert settings.ssl_cafile and settings.ssl_certfile and settings.ssl_keyfile
+    def path(value: object) -> str | None:
+        return str(value) if value is not None else None
+
     try:
         return create_ssl_context(
-            cafile=str(settings.ssl_cafile),
-            certfile=str(settings.ssl_certfile),
-            keyfile=str(settings.ssl_keyfile),
+            cafile=path(settings.ssl_cafile),
+            certfile=path(settings.ssl_certfile),
+            keyfile=path(settings.ssl_keyfile),
         )
     except (OSError, ssl.SSLError) as e:
         raise BusError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 # Trajectories of long multi-turn episodes (token ids + logprobs) are large: records up to
@@ -24,14 +24,22 @@ class KafkaSettings(BaseSettings):
         description="The broker (host:port[,host:port]). `rlnode up`, `demo` and `doctor` start "
         "an embedded one when it is not set.",
     )
-    security_protocol: Literal["PLAINTEXT", "SSL"] = Field(
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_SSL"] = Field(
         "PLAINTEXT",
         description="SSL: TLS with a client certificate (a node whose broker has a TLS front: "
-        "every host boundary; `rlnode kafka-cert` issues one for your own client).",
+        "every host boundary; `rlnode kafka-cert` issues one for your own client); SASL_SSL: "
+        "TLS and a user and password (production compose's Kafka, with ACLs per user).",
     )
-    ssl_cafile: Path | None = Field(None, description="The node's CA (PEM), with SSL.")
+    ssl_cafile: Path | None = Field(
+        None, description="The CA that signed the broker's certificate (PEM); SSL, SASL_SSL."
+    )
     ssl_certfile: Path | None = Field(None, description="This client's certificate (PEM).")
     ssl_keyfile: Path | None = Field(None, description="This client's private key (PEM).")
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
+        "PLAIN", description="How a SASL_SSL client proves its user (over TLS)."
+    )
+    sasl_username: str | None = Field(None, description="The Kafka user, with SASL_SSL.")
+    sasl_password: SecretStr | None = Field(None, description="Its password, with SASL_SSL.")
     client_id_prefix: str = Field("rlnode", description="Prefix of every client id.")
     partitions: int = Field(3, ge=1, le=1024, description="Partitions per topic on creation.")
     replication_factor: int = Field(1, ge=1, description="Replicas per topic on creation.")
@@ -103,6 +111,11 @@ class KafkaSettings(BaseSettings):
                     "and a client certificate and key (rlnode kafka-cert NAME --out DIR "
                     "writes them on the control host)"
                 )
+        if self.security_protocol == "SASL_SSL" and not (self.sasl_username and self.sasl_password):
+            raise ValueError(
+                "KAFKA_SECURITY_PROTOCOL=SASL_SSL needs KAFKA_SASL_USERNAME and "
+                "KAFKA_SASL_PASSWORD (the Kafka user the operator made for this client)"
+            )
         return self
 
     @model_validator(mode="after")

@@ -270,13 +270,19 @@ def _kafka_cert(args: argparse.Namespace) -> int:
 
     try:
         check_name(args.name)
-        ca = node_ca(NodeSettings().data_dir, create=False)
+        ca = node_ca(NodeSettings().data_dir, create=args.init_ca)
         addresses = tuple(args.address or ())
         identity = ca.write_identity(args.out, args.name, addresses)
     except KafkaTlsError as e:
         print(f"rlnode: {e}", file=sys.stderr)
         return 2
     print(f"# {args.name}: certificate, key and the node's CA in {args.out} (0600)")
+    if args.bundle:  # certificate and key in one file: haproxy's crt, Kafka's PEM keystore
+        bundle = args.out / f"{args.name}.bundle.pem"
+        fd = os.open(bundle, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(identity.pem_bundle())
+        print(f"# and both in one file: {bundle}")
     print("# it reads and writes every topic: give it only to whom you would give that")
     for name, value in identity.kafka_env().items():
         print(f"export {name}={value}")
@@ -382,6 +388,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         action="append",
         help="also a server certificate for this address or DNS name (repeatable; e.g. "
         "compose's Kafka broker: --address kafka)",
+    )
+    cert.add_argument(
+        "--bundle", action="store_true", help="also NAME.bundle.pem: certificate and key"
+    )
+    cert.add_argument(
+        "--init-ca",
+        action="store_true",
+        help="make the node's CA under RLNODE_DATA_DIR if it has none (production compose)",
     )
     cert.set_defaults(run=_kafka_cert)
     commands.add_parser("status", help="the node's services: health, pid, restarts").set_defaults(

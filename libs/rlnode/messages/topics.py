@@ -62,7 +62,26 @@ def may_produce(service: str, topic: str, payload: object) -> bool:
 
 # The consumer groups of docs/architecture.md §2.
 LEARNER_GROUP: Final = "learner"
+LEARNER_TRAJECTORIES_GROUP: Final = "learner-trajectories"
 ROLLOUT_GENERATOR_GROUP: Final = "rollout-generator"
+CHECKPOINT_SERVER_GROUP: Final = registry.CHECKPOINT_SERVER.name
+
+# What each service reads, and in which consumer groups; with PRODUCERS (and who writes job
+# requests), every Kafka permission a service needs: production compose's ACLs are made
+# from these (rlnode.node.compose.kafka_acl_script), one Kafka user per service.
+READERS: Final[dict[str, frozenset[str]]] = {
+    LEARNER: frozenset({JOB_REQUESTS, TRAJECTORIES}),
+    GENERATOR: frozenset({ROLLOUT_WORK, WEIGHT_VERSIONS, JOB_EVENTS}),
+    CHECKPOINT_SERVER: frozenset({JOB_EVENTS, WEIGHT_VERSIONS}),
+}
+GROUPS: Final[dict[str, frozenset[str]]] = {
+    LEARNER: frozenset({LEARNER_GROUP, LEARNER_TRAJECTORIES_GROUP}),
+    GENERATOR: frozenset({ROLLOUT_GENERATOR_GROUP}),
+    CHECKPOINT_SERVER: frozenset({CHECKPOINT_SERVER_GROUP}),
+}
+# Job requests are written by users (the CLI, the SDK, their own clients) and by the
+# checkpoint-server on behalf of the dashboard.
+JOB_REQUEST_WRITERS: Final = frozenset({CHECKPOINT_SERVER})
 
 
 def payload_type(topic: str) -> type[Stamped]:

@@ -107,3 +107,86 @@ def override(plan: GpuPlan, command: str) -> str:
         ports = "" if base == "compose.yaml" else " (each with a port of its own)"
         body += f"# more than {generators} engines: copy {last} in {base} for the rest{ports}\n"
     return header + body
+
+
+# -- Kafka in production compose: SASL_SSL, one user per service, ACLs -------------------
+
+# Kafka users: each service that is on the bus, the admin (the broker itself, topic
+# creation, ACLs) and `rlnode-jobs`, for users who start jobs with a Kafka client of their own.
+KAFKA_ADMIN = "admin"
+KAFKA_JOBS_USER = "rlnode-jobs"
+KAFKA_CA_SECRET = "/run/secrets/kafka-ca"
+
+
+def kafka_password_variable(user: str) -> str:
+    return f"KAFKA_{user.upper().replace('-', '_')}_PASSWORD"
+
+
+def kafka_users() -> tuple[str, ...]:
+    from rlnode.messages import topics
+
+    return (KAFKA_ADMIN, *sorted(topics.READERS), KAFKA_JOBS_USER)
+
+
+def _password(user: str) -> str:
+    variable = kafka_password_variable(user)
+    return f"${{{variable}:?set {variable} (a random password for Kafka user {user})}}"
+
+
+def kafka_jaas() -> str:
+    """The broker's SASL/PLAIN users (passwords interpolated from the environment)."""
+    users = " ".join(f'user_{u}="{_password(u)}"' for u in kafka_users())
+    return (
+        "org.apache.kafka.common.security.plain.PlainLoginModule required "
+        f'username="{KAFKA_ADMIN}" password="{_password(KAFKA_ADMIN)}" {users};'
+    )
+
+
+def kafka_client_env(user: str) -> dict[str, str]:
+    """What a service's Kafka clients need (KafkaSettings): TLS to the broker, its user."""
+    return {
+        "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
+        "KAFKA_SASL_MECHANISM": "PLAIN",
+        "KAFKA_SASL_USERNAME": user,
+        "KAFKA_SASL_PASSWORD": _password(user),
+        "KAFKA_SSL_CAFILE": KAFKA_CA_SECRET,
+    }
+
+
+def kafka_acls() -> list[tuple[str, str, str, str]]:
+    """(user, operation, resource type, name) for every permission a Kafka user gets."""
+    from rlnode.messages import topics
+
+    acls = []
+    for service, read in sorted(topics.READERS.items()):
+        for topic in sorted(read):
+            acls += [(service, "Read", "topic", topic), (service, "Describe", "topic", topic)]
+        for group in sorted(topics.GROUPS[service]):
+            acls.append((service, "Read", "group", group))
+        written = {t for t, producers in topics.PRODUCERS.items() if service in producers}
+        if service in topics.JOB_REQUEST_WRITERS:
+            written.add(topics.JOB_REQUESTS)
+        for topic in sorted(written):
+            acls += [(service, "Write", "topic", topic), (service, "Describe", "topic", topic)]
+    acls += [(KAFKA_JOBS_USER, op, "topic", topics.JOB_REQUESTS) for op in ("Write", "Describe")]
+    return sorted(set(acls))
+
+
+def kafka_acl_script(bootstrap: str) -> str:
+    """The shell script production compose's `kafka-acls` service runs (apache/kafka image)."""
+    lines = [
+        "set -eu",
+        "umask 077",
+        "printf 'security.protocol=SASL_SSL\\nsasl.mechanism=PLAIN\\n"
+        f"ssl.truststore.type=PEM\\nssl.truststore.location={KAFKA_CA_SECRET}\\n"
+        "sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required "
+        f'username=\\"{KAFKA_ADMIN}\\" password=\\"%s\\";\\n\' "$$RLNODE_KAFKA_ADMIN_PASSWORD"'
+        " > /tmp/admin.properties",
+    ]
+    for user, operation, kind, name in kafka_acls():
+        lines.append(
+            f"/opt/kafka/bin/kafka-acls.sh --bootstrap-server {bootstrap} --command-config "
+            f"/tmp/admin.properties --add --allow-principal User:{user} --operation "
+            f"{operation} --{kind} {name}"
+        )
+    return "\n".join(lines) + "\n"

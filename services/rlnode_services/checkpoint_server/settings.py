@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import SettingsConfigDict
 
+from rlnode.messages.topics import CHECKPOINT_SERVER_GROUP
 from rlnode.service.registry import CHECKPOINT_SERVER, GATEWAY
 from rlnode.service.settings import VaultClientSettings
 
@@ -18,7 +19,7 @@ class CheckpointServerSettings(VaultClientSettings):
     model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
     port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
-    group_id: str = Field(SERVICE.name, description="The consumer group of the index.")
+    group_id: str = Field(CHECKPOINT_SERVER_GROUP, description="The consumer group of the index.")
     device: str = Field("cpu", description="Where inference runs: cpu or cuda[:N].")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Loaded checkpoints: auto is bfloat16 on GPUs, float32 on the CPU."

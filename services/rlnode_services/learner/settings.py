@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.messages.rollouts import MAX_SAMPLES_PER_WORK
-from rlnode.messages.topics import LEARNER_GROUP
+from rlnode.messages.topics import LEARNER_GROUP, LEARNER_TRAJECTORIES_GROUP
 from rlnode.service.registry import GATEWAY, LEARNER
 from rlnode.service.settings import VaultClientSettings
 from rlnode.training.network import split_endpoint
@@ -87,7 +87,7 @@ class LearnerSettings(VaultClientSettings):
     max_running_jobs: int = Field(1, ge=1, description="Jobs trained at once; more are queued.")
     group_id: str = Field(LEARNER_GROUP, description="The consumer group of job requests.")
     trajectory_group_id: str = Field(
-        "learner-trajectories", description="The consumer group of trajectories."
+        LEARNER_TRAJECTORIES_GROUP, description="The consumer group of trajectories."
     )
     step_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for one step's trajectories."
