@@ -93,10 +93,12 @@ def copy_task_node(
     generator_env: dict[str, str],
     gateways: int = 1,
     broker_storage: Storage | None = None,
+    kafka_tls: bool | None = None,
 ) -> Iterator[tuple]:
     """A node for training benchmarks (no checkpoint-server), an org whose key is sealed
     and uploaded, and the managed copy-task Task App registered as "copy": (node, org).
-    `broker_storage`: the embedded broker's, memory or durable (None: the node's default)."""
+    `broker_storage`: the embedded broker's, memory or durable (None: the node's default);
+    `kafka_tls`: the broker behind its TLS front (None: the node's default, off on one host)."""
     import time
 
     from rlnode.node.local import LocalNode, NodeOptions
@@ -108,6 +110,7 @@ def copy_task_node(
             env={"rollout-generator": generator_env},
             gateways=gateways,
             broker_storage=broker_storage,
+            kafka_tls=kafka_tls,
         )
     ) as node:
         org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})

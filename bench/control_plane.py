@@ -17,6 +17,11 @@ bench/results/control_plane_storage.{json,md} instead.
 
     python bench/control_plane.py [--steps 30] [--gateways 1,2,4] [--before old.json]
     python bench/control_plane.py --gateways 1 --storages memory,durable
+    python bench/control_plane.py --gateways 1 --kafka-tls off,on
+
+`--kafka-tls off,on` likewise runs the same work on a node whose every Kafka client goes
+through the broker's TLS front (haproxy, client certificates; its CPU measured too) and on
+one without, and writes bench/results/control_plane_tls.{json,md}.
 """
 
 from __future__ import annotations
@@ -36,9 +41,13 @@ from bench_common import copy_task_node, job_config, training_arguments, write_r
 from rlnode.messages import JobEventType
 from rlnode.models.build import init_tiny_model
 from rlnode.node.chaos import BROKER, pid_of, targets, task_app_target
-from rlnode.node.local import OBJECT_STORE
+from rlnode.node.local import FRONT, OBJECT_STORE
 
-NAMES = {BROKER: "broker (Tansu)", OBJECT_STORE: "broker's object store"}
+NAMES = {
+    BROKER: "broker (Tansu)",
+    OBJECT_STORE: "broker's object store",
+    FRONT: "broker's TLS front (haproxy)",
+}
 
 
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
@@ -114,6 +123,12 @@ def main() -> None:
         "node's) or both, compared (memory,durable)",
     )
     parser.add_argument(
+        "--kafka-tls",
+        default="off",
+        help="off, on (every Kafka client through the broker's TLS front) or both, compared "
+        "(off,on)",
+    )
+    parser.add_argument(
         "--before",
         type=Path,
         default=None,
@@ -122,7 +137,10 @@ def main() -> None:
     args = parser.parse_args()
     counts = [int(c) for c in args.gateways.split(",")]
     storages = args.storages.split(",")
-    compared = len(storages) > 1
+    fronts = [{"off": False, "on": True}[v] for v in args.kafka_tls.split(",")]
+    # A node per (storage, TLS front) variant.
+    variants = [(storage, tls) for storage in storages for tls in fronts]
+    compared = len(variants) > 1
     generator = {
         "GENERATOR_ENGINE": "instant",
         "GENERATOR_CONCURRENCY": "256",
@@ -136,28 +154,33 @@ def main() -> None:
             # load moves during the run moves both alike (an idle node costs ~3% of a core).
             with contextlib.ExitStack() as nodes:
                 running = {
-                    storage: nodes.enter_context(
+                    (storage, tls): nodes.enter_context(
                         copy_task_node(
-                            Path(tmp) / f"node-{storage}-{count}", generator, count, storage
+                            Path(tmp) / f"node-{storage}-{tls}-{count}",
+                            generator,
+                            count,
+                            storage,
+                            kafka_tls=tls,
                         )
                     )
-                    for storage in storages
+                    for storage, tls in variants
                 }
-                pids = {storage: process_pids(*running[storage]) for storage in storages}
+                pids = {variant: process_pids(*running[variant]) for variant in variants}
                 for round_ in range(args.repeats):
-                    for storage, (node, org) in running.items():
-                        result = asyncio.run(run(node, org, model, args, pids[storage]))
-                        result |= {"gateways": count, "storage": storage}
+                    for (storage, tls), (node, org) in running.items():
+                        result = asyncio.run(run(node, org, model, args, pids[storage, tls]))
+                        result |= {"gateways": count, "storage": storage, "kafka_tls": tls}
                         runs.append(result)
                         print(
-                            f"{storage}, {count} gateway(s), round {round_ + 1}: "
+                            f"{label(storage, tls)}, {count} gateway(s), round {round_ + 1}: "
                             f"{result['rollouts_per_s']:.0f} rollouts/s, "
                             f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout",
                             flush=True,
                         )
     columns = [
         (
-            (f"{r['storage']}, " if compared else "") + f"{r['gateways']} gw, run {i + 1}",
+            (f"{label(r['storage'], r['kafka_tls'])}, " if compared else "")
+            + f"{r['gateways']} gw, run {i + 1}",
             by_service(r["cpu_ms_per_rollout"]),
         )
         for i, r in enumerate(runs)
@@ -201,30 +224,43 @@ def main() -> None:
         f" ({args.prompts} prompts x {args.group} samples a step), with an engine that answers "
         "at once: what the services cost around generation (goal: 2 ms in all).",
         "",
-        "| broker storage | gateways | rollouts/s (median) | CPU ms per rollout (median) "
-        "| of which the broker's (median) |",
+        "| broker | gateways | rollouts/s (median) | CPU ms per rollout (median) "
+        "| of which the broker's, its store's and its front's (median) |",
         "|---|---|---|---|---|",
-        *(summary(runs, storage, count) for storage in storages for count in counts),
+        *(summary(runs, storage, tls, count) for storage, tls in variants for count in counts),
     ]
+    name, title = "control_plane", ""
+    if len(fronts) > 1:
+        name, title = "control_plane_tls", ": Kafka through the broker's TLS front, and not"
+    elif len(storages) > 1:
+        name, title = "control_plane_storage", ": the broker's memory engine and durable storage"
     write_results(
-        "control_plane_storage" if compared else "control_plane",
+        name,
         args,
-        "B8: the control plane's cost per rollout (instant engine, copy-task Task App)"
-        + (": the broker's memory engine against its durable storage" if compared else ""),
+        "B8: the control plane's cost per rollout (instant engine, copy-task Task App)" + title,
         table,
         runs=runs,
         before=before,
     )
 
 
-def summary(runs: list[dict], storage: str, count: int) -> str:
-    """A row of medians over the runs of one storage and gateway count."""
-    mine = [r for r in runs if r["storage"] == storage and r["gateways"] == count]
+def label(storage: str, tls: bool) -> str:
+    return f"{storage}{', TLS front' if tls else ''}"
+
+
+def summary(runs: list[dict], storage: str, tls: bool, count: int) -> str:
+    """A row of medians over the runs of one variant and gateway count."""
+    mine = [
+        r
+        for r in runs
+        if r["storage"] == storage and r.get("kafka_tls", False) == tls and r["gateways"] == count
+    ]
     broker = [
         sum(v for k, v in r["cpu_ms_per_rollout"].items() if k in NAMES.values()) for r in mine
     ]
     return (
-        f"| {storage} | {count} | {statistics.median(r['rollouts_per_s'] for r in mine):.0f} | "
+        f"| {label(storage, tls)} | {count} | "
+        f"{statistics.median(r['rollouts_per_s'] for r in mine):.0f} | "
         f"{statistics.median(r['cpu_ms_per_rollout_total'] for r in mine):.2f} | "
         f"{statistics.median(broker):.2f} |"
     )

@@ -16,7 +16,7 @@ import httpx
 
 from rlnode.bus import TopicReader
 from rlnode.messages import topics
-from rlnode.node.local import OBJECT_STORE, LocalNode, Org
+from rlnode.node.local import FRONT, OBJECT_STORE, LocalNode, Org
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.service.registry import GATEWAY, LEARNER
 from rlnode.training.loop import trained_work_ids, work_id
@@ -54,6 +54,7 @@ def targets(node: LocalNode, task_apps: list[str]) -> list[str]:
     `task_app_target`."""
     own = [BROKER] if node.broker is not None else []
     own += [OBJECT_STORE] if node.object_store is not None else []
+    own += [FRONT] if node.front is not None else []
     return own + list(node.processes) + task_apps
 
 
@@ -64,6 +65,9 @@ def pid_of(node: LocalNode, target: str, orgs: dict[str, Org]) -> int:
     if target == OBJECT_STORE:
         assert node.object_store is not None and node.object_store.pid is not None
         return node.object_store.pid
+    if target == FRONT:
+        assert node.front is not None and node.front.pid is not None
+        return node.front.pid
     if target.startswith(TASK_APP_PREFIX):
         org_id, name = target.removeprefix(TASK_APP_PREFIX).split("/", 1)
         with GatewayClient(node.url(GATEWAY.name), orgs[org_id].token) as gateway:
@@ -83,6 +87,8 @@ def is_running(node: LocalNode, target: str, orgs: dict[str, Org]) -> bool:
         return node.broker is not None and node.broker.running
     if target == OBJECT_STORE:
         return node.object_store is not None and node.object_store.running
+    if target == FRONT:
+        return node.front is not None and node.front.running
     if target.startswith(TASK_APP_PREFIX):
         try:
             pid_of(node, target, orgs)
