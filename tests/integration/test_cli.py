@@ -39,6 +39,9 @@ def test_doctor_passes_on_the_embedded_defaults(tmp_path) -> None:
     ):
         assert re.search(rf"ok\s+service {name}", result.stdout)
         assert (tmp_path / "logs" / f"{name}.log").is_file()
+    # Which network managed Task Apps get here (as root, with nft: isolated).
+    if os.geteuid() == 0:
+        assert "managed Task Apps' network: isolated by nftables" in result.stdout
 
 
 def test_doctor_uses_the_broker_it_is_given(kafka_broker, tmp_path) -> None:

@@ -4,9 +4,13 @@ after a timeout (SIGKILL)."""
 
 from __future__ import annotations
 
+import os
 import signal
 import socket
 import subprocess
+import tempfile
+from pathlib import Path
+from typing import BinaryIO
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -15,8 +19,40 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def open_log(path: Path) -> BinaryIO:
+    """`path` opened for appending, made 0600 (in a 0700 directory if it makes one): what a
+    broker or store logs is the node's, like the rest of its data dir."""
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+    if os.fstat(fd).st_uid == os.geteuid():  # one an earlier version left readable
+        os.fchmod(fd, 0o600)
+    return os.fdopen(fd, "ab")
+
+
 class ChildProcess:
     _proc: subprocess.Popen | None = None
+    log_path: Path | None = None
+
+    def _spawn(self, argv: list[str], log_prefix: str, env: dict[str, str] | None = None) -> None:
+        """Start `argv` as this child: in a session of its own (Ctrl-C in a terminal reaches
+        us, and we stop it in order), its output appended to its log (a temporary file
+        named from `log_prefix` unless it has one)."""
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        with open_log(self.log_path) as log:
+            self._proc = subprocess.Popen(
+                argv,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+
+    def _log_tail(self, chars: int = 2000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path else ""
 
     @property
     def running(self) -> bool:

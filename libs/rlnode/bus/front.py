@@ -13,12 +13,10 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 from rlnode.bus.children import ChildProcess, free_port
 from rlnode.bus.localbroker import BrokerStartError, wait_for_port
-from rlnode.bus.objectstore.process import open_log
 from rlnode.bus.pki import Identity
 
 HAPROXY_ENV_VAR = "RLNODE_HAPROXY_BIN"
@@ -109,22 +107,13 @@ class KafkaTlsFront(ChildProcess):
         pem.write_bytes(self.identity.pem_bundle())
         config = self.run_dir / "haproxy.cfg"
         config.write_text(haproxy_config(self.host, self.port, self.broker, pem, self.identity.ca))
-        if self.log_path is None:
-            self.log_path = Path(tempfile.mkstemp(prefix="rlnode-front-", suffix=".log")[1])
-        with open_log(self.log_path) as log:
-            # -db: in the foreground, no daemon; its exit is ours to see and supervise.
-            self._proc = subprocess.Popen(
-                [binary, "-db", "-f", str(config)],
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        # -db: in the foreground, no daemon; its exit is ours to see and supervise.
+        self._spawn([binary, "-db", "-f", str(config)], "rlnode-front-")
         try:
             wait_for_port(self.host, self.port, self.start_timeout_s, self._proc)
         except BrokerStartError as e:
+            tail = self._log_tail()
             self.stop()
-            tail = self.log_path.read_text(errors="replace")[-2000:]
             raise BrokerStartError(
                 f"the Kafka TLS front: {e}; its log ({self.log_path}):\n{tail}"
             ) from None

@@ -9,7 +9,6 @@ import os
 import shutil
 import socket
 import subprocess
-import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
@@ -17,7 +16,6 @@ from typing import Literal
 
 from rlnode.bus.children import ChildProcess, free_port
 from rlnode.bus.objectstore import BUCKET, LocalObjectStore
-from rlnode.bus.objectstore.process import open_log
 
 TANSU_ENV_VAR = "RLNODE_TANSU_BIN"
 Storage = Literal["memory", "durable"]
@@ -131,10 +129,6 @@ class LocalBroker(ChildProcess):
         if self.running:
             return self
         binary = find_tansu()
-        if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="rlnode-tansu-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
         env = dict(os.environ)
         engine = "memory://tansu/"
         if self.object_store is not None:
@@ -145,20 +139,12 @@ class LocalBroker(ChildProcess):
             env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
             env |= self.object_store.client_env()
             engine = f"s3://{BUCKET}/"
-        with open_log(self.log_path) as log:
-            self._proc = subprocess.Popen(
-                self.command(binary, engine),
-                env=env,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # Ctrl-C in a terminal reaches us, and we stop it in order
-            )
+        self._spawn(self.command(binary, engine), "rlnode-tansu-", env)
         try:
             wait_for_port(self.host, self.port, self.start_timeout_s, self._proc)
         except BrokerStartError as e:
+            tail = self._log_tail()
             self.stop()
-            tail = self.log_path.read_text(errors="replace")[-2000:]
             raise BrokerStartError(f"{e}; broker log ({self.log_path}):\n{tail}") from None
         return self
 

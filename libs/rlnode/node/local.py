@@ -453,30 +453,25 @@ class LocalNode:
 
     def _supervise_front(self) -> list[str]:
         """The TLS front, started again on its port (clients reconnect through it)."""
-        front = self.front
-        if front is None or front.running:
-            return []
-        said = [f"the Kafka TLS front exited with code {front.exit_code}; starting it again"]
-        try:
-            front.start()
-        except Exception as e:  # tried again next round
-            return [*said, f"the Kafka TLS front could not be started again: {e}"]
-        self.restarts[FRONT] = self.restarts.get(FRONT, 0) + 1
-        return [*said, f"Kafka TLS front started again (pid {front.pid})"]
+        return self._supervise_child(self.front, FRONT, "the Kafka TLS front")
 
     def _supervise_object_store(self) -> list[str]:
         """The broker's object store, started again on its port and data: the broker's
         requests meanwhile are retried (its object_store client backs off for minutes)."""
-        store = self.object_store
-        if store is None or store.running:
+        return self._supervise_child(self.object_store, OBJECT_STORE, "the broker's object store")
+
+    def _supervise_child(
+        self, child: LocalObjectStore | KafkaTlsFront | None, key: str, what: str
+    ) -> list[str]:
+        if child is None or child.running:
             return []
-        said = [f"the broker's object store exited with code {store.exit_code}; starting it again"]
+        said = [f"{what} exited with code {child.exit_code}; starting it again"]
         try:
-            store.start()
+            child.start()
         except Exception as e:  # tried again next round
-            return [*said, f"the object store could not be started again: {e}"]
-        self.restarts[OBJECT_STORE] = self.restarts.get(OBJECT_STORE, 0) + 1
-        return [*said, f"object store started again (pid {store.pid})"]
+            return [*said, f"{what} could not be started again: {e}"]
+        self.restarts[key] = self.restarts.get(key, 0) + 1
+        return [*said, f"{what} started again (pid {child.pid})"]
 
     def state(self) -> dict:
         """What `rlnode status` shows: each service's URL, pid, restarts and log."""

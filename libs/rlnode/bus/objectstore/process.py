@@ -14,10 +14,8 @@ import secrets
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
-from typing import BinaryIO
 
 from rlnode.bus.children import ChildProcess, free_port
 from rlnode.bus.objectstore.sigv4 import Credentials
@@ -94,26 +92,15 @@ class LocalObjectStore(ChildProcess):
             return self
         ensure_credentials(self.credentials_path)
         self.data_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="rlnode-objectstore-", suffix=".log")
-            os.close(fd)
-            self.log_path = Path(name)
         command = [sys.executable, "-m", "rlnode.bus.objectstore", "--data-dir", str(self.data_dir)]
         command += ["--credentials", str(self.credentials_path), "--bucket", BUCKET]
         command += ["--host", self.host, "--port", str(self.port)]
-        with open_log(self.log_path) as log:
-            self._proc = subprocess.Popen(
-                command,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        self._spawn(command, "rlnode-objectstore-")
         deadline = time.monotonic() + self.start_timeout_s
         while not _listening(self.host, self.port):
-            if self._proc.poll() is not None or time.monotonic() > deadline:
+            if self._proc is None or self._proc.poll() is not None or time.monotonic() > deadline:
+                tail = self._log_tail()
                 self.stop()
-                tail = self.log_path.read_text(errors="replace")[-2000:]
                 raise ObjectStoreError(
                     f"the object store did not listen on {self.url} (log {self.log_path}):\n{tail}"
                 )
@@ -128,16 +115,6 @@ class LocalObjectStore(ChildProcess):
 
     def __exit__(self, *_exc) -> None:
         self.stop()
-
-
-def open_log(path: Path) -> BinaryIO:
-    """`path` opened for appending, made 0600 (in a 0700 directory if it makes one): what a
-    broker or store logs is the node's, like the rest of its data dir."""
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-    if os.fstat(fd).st_uid == os.geteuid():  # one an earlier version left readable
-        os.fchmod(fd, 0o600)
-    return os.fdopen(fd, "ab")
 
 
 def _listening(host: str, port: int) -> bool:
