@@ -393,8 +393,10 @@ async def test_two_generators_share_work_and_a_killed_one_loses_none(
     assert a.stop() == 0
 
 
-def openai_task_app(key: str) -> FastAPI:
-    """A Task App whose author uses the official openai client against the inference URL."""
+def openai_task_app(key: str, streamed: list[str] | None = None) -> FastAPI:
+    """A Task App whose author uses the official openai client against the inference URL:
+    a chat call, a completions call and (keeping what it got in `streamed`) a streamed chat
+    call, as agent frameworks make them."""
     from openai import AsyncOpenAI
 
     app = FastAPI()
@@ -418,6 +420,20 @@ def openai_task_app(key: str) -> FastAPI:
         plain = await client.completions.create(
             model=config["model"], prompt="Copy: ab", max_tokens=3
         )
+        stream = await client.chat.completions.create(
+            model=config["model"],
+            messages=[{"role": "user", "content": "Copy: ba"}],
+            max_tokens=5,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        pieces, usage = [], None
+        async for chunk in stream:
+            pieces += [c.delta.content or "" for c in chunk.choices]
+            usage = chunk.usage or usage
+        if streamed is not None:
+            streamed.append("".join(pieces))
+            streamed.append(f"usage {usage.completion_tokens if usage else None}")
         text = chat.choices[0].message.content + plain.choices[0].text
         reward = 1.0 if "ab" in text else 0.0
         return {
@@ -450,7 +466,8 @@ def openai_task_app(key: str) -> FastAPI:
 async def test_the_official_openai_client_works_against_rollout_endpoints(
     stack, tiny_model, kafka_broker, make_bus, work_group
 ) -> None:
-    with ThreadedServer(openai_task_app(stack.key)) as task_app:
+    streamed: list[str] = []
+    with ThreadedServer(openai_task_app(stack.key, streamed)) as task_app:
         name = unique_id("openai")
         with GatewayClient(stack.gateway.url, stack.org_token) as gateway:
             gateway.register(name, url=task_app.url)
@@ -466,11 +483,17 @@ async def test_the_official_openai_client_works_against_rollout_endpoints(
         (trajectory,) = await collect(make_bus, job_id, 1)
         assert generator.stop() == 0
     assert trajectory.status == "ok", trajectory.failure
-    assert len(trajectory.turns) == 2  # the chat call and the completions call, both recorded
+    assert len(trajectory.turns) == 3  # the chat, completions and streamed calls, recorded
     assert (
         len(trajectory.turns[0].completion_ids) <= 4
         and len(trajectory.turns[1].completion_ids) <= 3
     )
+    # Streamed token by token: the same text as the turn recorded, and its usage.
+    from transformers import AutoTokenizer
+
+    sampled = trajectory.turns[2].completion_ids
+    text = AutoTokenizer.from_pretrained(tiny_model).decode(sampled, skip_special_tokens=True)
+    assert streamed == [text, f"usage {len(sampled)}"]
 
 
 async def test_a_failed_rollout_is_published_as_failed_not_dropped(

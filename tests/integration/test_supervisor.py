@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from rlnode.examples import job_config_path
 from rlnode.testing import free_port_block, processes_with, run_rlnode, wait_until
 
 
@@ -44,6 +45,7 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
         ):
             assert service in status
         assert f"127.0.0.1:{base + 30}" in status  # fixed ports from the base
+        check_a_second_shell_finds_the_node(env, tmp_path)
         # A second node on the same data directory is refused.
         again = run_rlnode(env, "up", "--gpus", "0", "--port-base", str(base))
         assert again.returncode == 1 and "a node is up already" in again.stderr
@@ -167,3 +169,22 @@ def test_a_service_whose_port_another_process_answers_on_is_not_taken_for_health
     finally:
         process.stop()
         server.shutdown()
+
+
+def check_a_second_shell_finds_the_node(node_env: dict[str, str], data_dir: Path) -> None:
+    """A newcomer's second shell: no KAFKA_BOOTSTRAP_SERVERS, no service URLs, no admin
+    token; the CLI finds them from the data directory of the node that is up (its broker on
+    a random port, its services at --port-base)."""
+    unset = ("KAFKA_", "RLNODE_", "VAULT_", "GATEWAY_")
+    shell = {k: v for k, v in os.environ.items() if not k.startswith(unset)}
+    shell["RLNODE_DATA_DIR"] = str(data_dir)
+    created = run_rlnode(shell, "org", "create", "second-shell")
+    assert created.returncode == 0, created.stderr
+    shell["RLNODE_TOKEN"] = created.stdout.strip()
+    listed = run_rlnode(shell, "taskapp", "list")
+    assert listed.returncode == 0, listed.stderr
+    # Through the node's broker both ways: the request goes out, the learner's verdict
+    # comes back (no Task App "copy" is registered for this org).
+    started = run_rlnode(shell, "job", "start", str(job_config_path("copy_task")), "--watch")
+    assert started.returncode == 1, started.stdout + started.stderr
+    assert "rejected" in started.stdout + started.stderr, started.stdout + started.stderr

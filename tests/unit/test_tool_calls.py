@@ -16,6 +16,8 @@ from rlnode.service.openai_api import (
     ChatCompletionRequest,
     assistant_message,
     chat_chunks,
+    chat_completion,
+    completion_chunks,
     parse_tool_calls,
     text_content,
 )
@@ -109,6 +111,26 @@ def test_a_streamed_reply_sends_each_call_whole() -> None:
     (call,) = [d["tool_calls"][0] for d in deltas if "tool_calls" in d]
     assert call["index"] == 0 and call["function"]["name"] == "calculator"
     assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_a_streamed_reply_is_the_same_text_token_by_token_with_its_usage() -> None:
+    tokenizer = bpe_tokenizer()
+
+    class Turn:
+        completion_ids = tokenizer("the answer is 42, not 41")["input_ids"]
+        logprobs = [-0.1] * len(completion_ids)
+        finish_reason = "length"
+
+    text = tokenizer.decode(Turn.completion_ids, skip_special_tokens=True)
+    whole = chat_completion("m", tokenizer, 7, [Turn()], [text])
+    chunks = list(chat_chunks("m", tokenizer, [Turn()], [text], prompt_tokens=7))
+    pieces = [c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]]
+    assert len([p for p in pieces if p]) > 3  # token by token, not in one piece
+    assert "".join(pieces) == whole["choices"][0]["message"]["content"]
+    assert chunks[-1] == chunks[-1] | {"choices": [], "usage": whole["usage"]}
+    plain = list(completion_chunks("m", tokenizer, [Turn()], [text]))
+    assert "".join(c["choices"][0]["text"] for c in plain) == text
+    assert "usage" not in plain[-1]  # only when stream_options.include_usage asks
 
 
 def test_the_calculator_evaluates_arithmetic_and_nothing_else() -> None:

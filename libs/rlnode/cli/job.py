@@ -18,10 +18,10 @@ from urllib.parse import unquote, urlparse
 
 from pydantic import ValidationError
 
-from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import JobConfig, JobEvent, JobEventType, ends_the_job
 from rlnode.messages.config import EvalSeeds, EvalSpec
 from rlnode.messages.jobs import EvalCompletedData
+from rlnode.sdk import local_node
 from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
 from rlnode.sdk.jobs import JobsClient, evaluation_job, load_config, new_job_id
 from rlnode.sdk.progress import QUIET, Progress, write_plot
@@ -52,7 +52,8 @@ def _credentials() -> tuple[str, str]:
 def _jobs(args: argparse.Namespace | None = None) -> JobsClient:
     org, token = _credentials()
     vault_url = getattr(args, "vault_url", None)
-    return JobsClient(org, token, KafkaSettings(), service="cli", vault_url=vault_url)
+    # KAFKA_*, else the broker of the node up on this machine.
+    return JobsClient(org, token, local_node.kafka_settings(), service="cli", vault_url=vault_url)
 
 
 def _checkpoints(args: argparse.Namespace) -> CheckpointClient:

@@ -14,6 +14,7 @@ import sys
 from nacl.secret import SecretBox
 from nacl.utils import random as random_bytes
 
+from rlnode.sdk import local_node
 from rlnode.sdk.vault import VaultClient, VaultError
 from rlnode.service.auth import ORG_SCOPES, SERVICE_SCOPES
 from rlnode.service.registry import VAULT
@@ -22,6 +23,8 @@ from rlnode.service.registry import VAULT
 def _vault(args: argparse.Namespace, *, admin: bool = False) -> VaultClient:
     name = "RLNODE_ADMIN_TOKEN" if admin else "RLNODE_TOKEN"
     token = os.environ.get(name)
+    if not token and admin:  # the node up on this machine is this user's: its admin token
+        token = local_node.admin_token()
     if not token:
         what = (
             "the vault's admin token (VAULT_ADMIN_TOKEN)"

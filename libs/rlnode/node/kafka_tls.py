@@ -58,6 +58,13 @@ def client_identity(data_dir: Path, name: str, ca: NodeCA | None = None) -> Iden
     return (ca or node_ca(data_dir)).write_identity(directory, name)
 
 
+def existing_identity(data_dir: Path, name: str) -> Identity | None:
+    """`name`'s certificate under the data dir if it was issued, without issuing one."""
+    directory = kafka_secrets(data_dir) / name
+    identity = Identity(directory / "ca.pem", directory / f"{name}.pem", directory / f"{name}.key")
+    return identity if all(p.exists() for p in (identity.ca, identity.cert, identity.key)) else None
+
+
 def front_identity(data_dir: Path, addresses: tuple[str, ...]) -> Identity:
     """The front's server certificate, for the addresses clients reach it at."""
     return node_ca(data_dir).write_identity(kafka_secrets(data_dir) / "front", FRONT, addresses)

@@ -23,6 +23,7 @@ from rlnode.node.health import services_health
 from rlnode.node.local import LocalNode, NodeOptions, state_path
 from rlnode.node.plan import make_plan, plan_table
 from rlnode.node.roles import ALL_ROLES, JoinInfo, join_path, services_of
+from rlnode.sdk.local_node import pid_alive
 from rlnode.service.registry import PORT_BASE
 from rlnode.service.settings import NodeSettings
 from rlnode.training.network import RENDEZVOUS_PORT
@@ -57,7 +58,7 @@ def run_up(
 ) -> int:
     data_dir = data_dir or NodeSettings().data_dir
     state = state_path(data_dir)
-    if state.exists() and _alive(json.loads(state.read_text()).get("pid")):
+    if state.exists() and pid_alive(json.loads(state.read_text()).get("pid")):
         raise SupervisorError(
             f"a node is up already (pid {json.loads(state.read_text())['pid']}, {state}); "
             "rlnode status shows it, rlnode down stops it"
@@ -138,29 +139,13 @@ def run_up(
     return 0
 
 
-def _alive(pid: int | None) -> bool:
-    if not pid:
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:  # an exited child its parent has not reaped yet is gone for our purposes
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat.rsplit(")", 1)[1].split()[0] != "Z"
-    except (OSError, IndexError):
-        return True
-
-
 def read_state(data_dir: Path | None = None) -> dict:
     data_dir = data_dir or NodeSettings().data_dir
     path = state_path(data_dir)
     if not path.exists():
         raise SupervisorError(f"no node is up under {data_dir} (start one with rlnode up)")
     state = json.loads(path.read_text())
-    if not _alive(state.get("pid")):
+    if not pid_alive(state.get("pid")):
         raise SupervisorError(
             f"the node under {data_dir} is gone (its supervisor, pid {state.get('pid')}, "
             "exited without cleaning up); start it again with rlnode up"
@@ -178,7 +163,7 @@ def down(data_dir: Path | None = None, timeout_s: float = 120.0) -> int:
     pid = state["pid"]
     os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout_s
-    while _alive(pid):
+    while pid_alive(pid):
         if time.monotonic() > deadline:
             raise SupervisorError(f"the supervisor (pid {pid}) did not stop in {timeout_s:g}s")
         time.sleep(0.2)

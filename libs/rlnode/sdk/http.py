@@ -8,6 +8,7 @@ from typing import Any, ClassVar
 
 import httpx
 
+from rlnode.sdk.local_node import discovered_url
 from rlnode.service.auth import AuthError, read_unverified
 from rlnode.service.registry import ServiceSpec
 
@@ -24,9 +25,10 @@ class ApiError(RuntimeError):
 
 
 def service_url(spec: ServiceSpec, url: str | None = None) -> str:
-    """`url`, else the service's URL variable, else its default on this machine."""
+    """`url`, else the service's URL variable, else where the node `rlnode up` runs here
+    says it answers, else its default on this machine."""
     env = spec.client_url_env or f"{spec.env_prefix}URL"
-    return (url or os.environ.get(env) or spec.default_url).rstrip("/")
+    return (url or os.environ.get(env) or discovered_url(spec) or spec.default_url).rstrip("/")
 
 
 class ApiClient:

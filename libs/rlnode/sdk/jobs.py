@@ -26,6 +26,7 @@ from rlnode.bus.signing import RecordRefused, RecordVerifier
 from rlnode.messages import JobConfig, JobEvent, JobEventType, JobRequest, ends_the_job, topics
 from rlnode.messages.codec import DecodeError, decode
 from rlnode.messages.config import EvalSpec
+from rlnode.sdk import local_node
 from rlnode.sdk.http import service_url
 from rlnode.sdk.vault import VaultClient
 from rlnode.service.auth import VaultTokenVerifier
@@ -90,7 +91,7 @@ class JobsClient:
         self.org_id = org_id
         self.token = token
         self.vault_url = service_url(VAULT, vault_url)
-        self.kafka = kafka or KafkaSettings()
+        self.kafka = kafka or local_node.kafka_settings()
         # Events are taken only from the services that may produce them (anyone who can
         # write to the topic could forge one).
         self._verifier = RecordVerifier(VaultTokenVerifier(self.vault_url))

@@ -46,6 +46,11 @@ class Tool(BaseModel):
     function: ToolFunction
 
 
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool = False  # a last chunk with the usage and no choices
+
+
 class ChatCompletionRequest(BaseModel):
     """OpenAI's chat completion request; fields not listed (seed, user, …) are accepted and
     ignored."""
@@ -60,6 +65,7 @@ class ChatCompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     logprobs: bool = False
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: str | dict[str, Any] | None = None
@@ -67,6 +73,10 @@ class ChatCompletionRequest(BaseModel):
     @property
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
     def template_tools(self) -> list[dict[str, Any]] | None:
         """The tools the chat template shows the model, as `tool_choice` says: all of them
@@ -92,7 +102,12 @@ class CompletionRequest(BaseModel):
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=16)
     stream: bool = False
+    stream_options: StreamOptions | None = None
     logprobs: int | None = Field(None, ge=0, le=5)
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
 
 
 def stops(stop: str | list[str] | None) -> list[str]:
@@ -234,7 +249,7 @@ def chat_completion(
         )
     return _head("chatcmpl", "chat.completion", model) | {
         "choices": choices,
-        "usage": usage(prompt_tokens, sum(len(s.completion_ids) for s in sampled)),
+        "usage": _usage_of(prompt_tokens, sampled),
     }
 
 
@@ -258,7 +273,7 @@ def text_completion(
     ]
     return _head("cmpl", "text_completion", model) | {
         "choices": choices,
-        "usage": usage(prompt_tokens, sum(len(s.completion_ids) for s in sampled)),
+        "usage": _usage_of(prompt_tokens, sampled),
     }
 
 
@@ -312,9 +327,11 @@ def chat_chunks(
     sampled: Sequence[Sampled],
     texts: Sequence[str],
     tools: bool = False,
+    prompt_tokens: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     """A chat completion as `chat.completion.chunk`s: a role delta, the text, the finish;
-    a reply with tool calls (tools offered) sends its content, then each call whole."""
+    a reply with tool calls (tools offered) sends its content, then each call whole. With
+    `prompt_tokens` (`stream_options.include_usage`), a last chunk with the usage."""
     head = _head("chatcmpl", "chat.completion.chunk", model)
     for i, (s, text) in enumerate(zip(sampled, texts, strict=True)):
         yield head | {
@@ -336,10 +353,20 @@ def chat_chunks(
                     "choices": [{"index": i, "delta": {"content": piece}, "finish_reason": None}]
                 }
         yield head | {"choices": [{"index": i, "delta": {}, "finish_reason": finish}]}
+    if prompt_tokens is not None:
+        yield head | {"choices": [], "usage": _usage_of(prompt_tokens, sampled)}
+
+
+def _usage_of(prompt_tokens: int, sampled: Sequence[Sampled]) -> dict[str, int]:
+    return usage(prompt_tokens, sum(len(s.completion_ids) for s in sampled))
 
 
 def completion_chunks(
-    model: str, tokenizer: Any, sampled: Sequence[Sampled], texts: Sequence[str]
+    model: str,
+    tokenizer: Any,
+    sampled: Sequence[Sampled],
+    texts: Sequence[str],
+    prompt_tokens: int | None = None,
 ) -> Iterator[dict[str, Any]]:
     head = _head("cmpl", "text_completion", model)
     for i, (s, text) in enumerate(zip(sampled, texts, strict=True)):
@@ -352,6 +379,8 @@ def completion_chunks(
                 {"index": i, "text": "", "finish_reason": s.finish_reason, "logprobs": None}
             ]
         }
+    if prompt_tokens is not None:
+        yield head | {"choices": [], "usage": _usage_of(prompt_tokens, sampled)}
 
 
 def event_stream(chunks: Iterator[dict[str, Any]]) -> StreamingResponse:

@@ -84,8 +84,9 @@ def inference_routes(
         results = await _sample(engine, prompt_ids, body, stop)
         texts = [_text(engine, r, stop) for r in results]
         if body.stream:
+            usage = len(prompt_ids) if body.include_usage else None
             return event_stream(
-                chat_chunks(model, engine.tokenizer, results, texts, tools=tools is not None)
+                chat_chunks(model, engine.tokenizer, results, texts, tools is not None, usage)
             )
         return chat_completion(
             model,
@@ -110,7 +111,8 @@ def inference_routes(
         results = await _sample(engine, prompt_ids, body, stop)
         texts = [_text(engine, r, stop) for r in results]
         if body.stream:
-            return event_stream(completion_chunks(model, engine.tokenizer, results, texts))
+            usage = len(prompt_ids) if body.include_usage else None
+            return event_stream(completion_chunks(model, engine.tokenizer, results, texts, usage))
         return text_completion(
             model,
             engine.tokenizer,

@@ -20,8 +20,11 @@ from rlnode.service.openai_api import (
     BadChatRequest,
     ChatCompletionRequest,
     CompletionRequest,
+    chat_chunks,
     chat_completion,
+    completion_chunks,
     error_body,
+    event_stream,
     stops,
     text_completion,
     text_content,
@@ -39,14 +42,10 @@ from rlnode_services.rollout_generator.weights import WeightSync
 from rlnode_services.rollout_generator.work import WorkHandler
 
 
-def _check_supported(n: int, stream: bool) -> None:
+def _check_supported(n: int) -> None:
     if n != 1:
         raise InferenceRefused(
             400, "n must be 1 on rollout endpoints: each call is one recorded turn"
-        )
-    if stream:
-        raise InferenceRefused(
-            400, "streaming is not supported on rollout endpoints; send stream: false"
         )
 
 
@@ -123,7 +122,7 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         """Sampling follows the job's config: temperature and top_p here are not honoured
         (the learner's importance ratio assumes the job's), and max_tokens can only lower it."""
         rollout = registry.get(rollout_id)
-        _check_supported(body.n, body.stream)
+        _check_supported(body.n)
         try:
             tools = body.template_tools()
             messages = [text_content(m) for m in body.messages]
@@ -132,6 +131,10 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         prompt_ids = prompts.render(rollout.policy, messages, tools)
         turn, text = await rollout.complete(prompt_ids, body.token_budget, stops(body.stop))
         model = body.model or rollout.work.job_id
+        if body.stream:  # agent frameworks that stream (verifiers 0.4 always does)
+            usage = len(prompt_ids) if body.include_usage else None
+            tokenizer, called = rollout.policy.tokenizer, tools is not None
+            return event_stream(chat_chunks(model, tokenizer, [turn], [text], called, usage))
         return json_response(
             chat_completion(
                 model,
@@ -146,7 +149,7 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
     @app.post("/rollouts/{rollout_id}/v1/completions", tags=["inference"])
     async def completions(rollout_id: str, body: CompletionRequest) -> Response:
         rollout = registry.get(rollout_id)
-        _check_supported(body.n, body.stream)
+        _check_supported(body.n)
         if isinstance(body.prompt, str):
             prompt_ids = list(rollout.policy.tokenizer(body.prompt)["input_ids"])
         else:
@@ -155,6 +158,10 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
             raise InferenceRefused(400, "empty prompt")
         turn, text = await rollout.complete(prompt_ids, body.max_tokens, stops(body.stop))
         model = body.model or rollout.work.job_id
+        if body.stream:
+            usage = len(prompt_ids) if body.include_usage else None
+            tokenizer = rollout.policy.tokenizer
+            return event_stream(completion_chunks(model, tokenizer, [turn], [text], usage))
         return json_response(
             text_completion(model, rollout.policy.tokenizer, len(prompt_ids), [turn], [text])
         )
