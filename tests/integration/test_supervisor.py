@@ -64,7 +64,14 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
                 else None
             )
 
-        wait_until(learner_back, 120, "the learner is back")
+        try:
+            wait_until(learner_back, 120, "the learner is back")
+        except TimeoutError as e:  # what the supervisor and the learner said, to see why
+            logs = [tmp_path / "up.log", tmp_path / "logs" / "learner.log"]
+            said = "\n".join(f"-- {p}:\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+            raise AssertionError(
+                f"{e}; status: {run_rlnode(env, 'status').stdout}\n{said}"
+            ) from None
         said = (tmp_path / "up.log").read_text()
         assert "learner exited with code -9; starting it again" in said
         assert "learner started again" in said
