@@ -98,6 +98,19 @@ async def test_the_kernel_takes_the_rules_and_they_go_with_the_gateway() -> None
     assert firewall.table not in await _list_tables()
 
 
+async def test_without_nft_isolation_is_refused_saying_what_to_install() -> None:
+    firewall = TaskAppFirewall("rlnode_t", [], nft="/nonexistent/nft")
+    network = TaskAppNetwork(NetworkMode.ISOLATED, firewall, own_users=True)
+    await network.start(writes_rules=True)
+    with pytest.raises(IsolationUnavailable) as refused:
+        network.require()
+    if os.geteuid() == 0:  # as root the missing binary is the reason given
+        assert "apt-get install nftables" in str(refused.value)
+    assert OPEN_SETTING in str(refused.value)
+    with pytest.raises(IsolationUnavailable):
+        await network.confine(4_000_124)  # no Task App starts
+
+
 def test_without_users_of_their_own_isolation_is_refused_naming_the_setting() -> None:
     network = TaskAppNetwork(NetworkMode.ISOLATED, TaskAppFirewall("rlnode_t", []), own_users=False)
     with pytest.raises(IsolationUnavailable, match=OPEN_SETTING):
