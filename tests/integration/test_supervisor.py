@@ -3,6 +3,7 @@ embedded broker; a service killed with SIGKILL comes back; down stops everything
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -83,6 +84,11 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
         if up.poll() is None:
             up.kill()
             up.wait()
+            # Killed, the supervisor leaves its children (each in a session of its own):
+            # they must not run on into the rest of the suite.
+            for pid in processes_with(str(tmp_path)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
         log.close()
     said = (tmp_path / "up.log").read_text()
     assert "stopped cleanly" in said, said[-2000:]
