@@ -370,7 +370,7 @@ async def test_two_generators_share_work_and_a_killed_one_loses_none(
         status = await generator_status(stack, b)
         return status["trajectories_published"] >= 1 and status["rollouts_in_flight"] >= 1
 
-    await until(b_is_mid_run)
+    await until(b_is_mid_run, 180)  # a loaded machine late in the suite is slow to start
     os.kill(b.proc.pid, signal.SIGKILL)  # mid-run: whatever b had in flight was not committed
 
     collector = make_bus("test-collector")

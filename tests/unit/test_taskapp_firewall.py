@@ -3,6 +3,7 @@ kernel takes them, and what a gateway does where they cannot be installed."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 import sys
@@ -86,7 +87,9 @@ async def test_the_kernel_takes_the_rules_and_they_go_with_the_gateway() -> None
     await firewall.install()
     try:
         await firewall.confine(4_000_123)
-        await firewall.allow_endpoint("http://127.0.0.1:8731/rollouts/abc")
+        # A group's rollouts name the same endpoint at once: one addition serves them all.
+        url = "http://127.0.0.1:8731/rollouts/abc"
+        await asyncio.gather(*(firewall.allow_endpoint(url) for _ in range(8)))
         await firewall.allow_endpoint("http://localhost:8732/rollouts/abc")
         listed = await _list(firewall.table)
         assert "4000123" in listed and "127.0.0.1 . 8731" in listed
@@ -142,8 +145,6 @@ async def test_a_gateway_that_cannot_isolate_refuses_to_start_managed_task_apps(
 
 
 async def _list(table: str) -> str:
-    import asyncio
-
     proc = await asyncio.create_subprocess_exec(
         "nft", "list", "table", "inet", table, stdout=asyncio.subprocess.PIPE
     )
@@ -152,8 +153,6 @@ async def _list(table: str) -> str:
 
 
 async def _list_tables() -> str:
-    import asyncio
-
     proc = await asyncio.create_subprocess_exec(
         "nft", "list", "tables", stdout=asyncio.subprocess.PIPE
     )

@@ -37,6 +37,7 @@ log = logging.getLogger("taskapp_gateway.firewall")
 
 OPEN_SETTING = "GATEWAY_TASKAPP_NETWORK=open"
 ENDPOINT_REFRESH_S = 30.0  # a gateway adds an endpoint again after this (the table may be new)
+NFT_TIMEOUT_S = 10.0  # an nft call that takes longer fails (a rollout must not hang on it)
 NONPUBLIC_V4 = (
     "0.0.0.0/8",
     "10.0.0.0/8",
@@ -114,6 +115,8 @@ class TaskAppFirewall:
         self.public, self.networks = parse_allowances(allow_to)
         self.nft = nft or shutil.which("nft") or "/usr/sbin/nft"
         self._endpoints: dict[tuple[str, int], float] = {}  # -> when this gateway added it
+        # One addition per endpoint at a time: a group's rollouts all name the same one.
+        self._adding: dict[tuple[str, int], asyncio.Future[None]] = {}
         self._lock = asyncio.Lock()
 
     # -- what the rules are --------------------------------------------------------------
@@ -197,7 +200,12 @@ class TaskAppFirewall:
                 f"cannot run nft ({self.nft}: {e.strerror}): install nftables "
                 "(Debian: apt-get install nftables)"
             ) from None
-        _, err = await proc.communicate(script.encode())
+        try:
+            _, err = await asyncio.wait_for(proc.communicate(script.encode()), NFT_TIMEOUT_S)
+        except TimeoutError:
+            proc.kill()
+            await proc.wait()
+            raise IsolationUnavailable(f"nft did not answer within {NFT_TIMEOUT_S:g}s") from None
         if proc.returncode != 0:
             raise IsolationUnavailable(
                 f"nft refused the rules: {err.decode(errors='replace').strip()}"
@@ -258,14 +266,35 @@ class TaskAppFirewall:
         seen = self._endpoints.get(key)
         if seen is not None and now - seen < ENDPOINT_REFRESH_S:
             return
-        addresses = await _addresses(parts.hostname, port)
+        if key in self._adding:  # another rollout is adding it: its outcome is ours
+            return await asyncio.shield(self._adding[key])
+        adding = self._adding[key] = asyncio.get_running_loop().create_future()
+        try:
+            await self._add_endpoint(parts.hostname, port)
+            self._endpoints[key] = now
+            adding.set_result(None)
+        except BaseException as e:
+            adding.set_exception(e)
+            adding.exception()  # retrieved: the waiters, if any, get it raised
+            raise
+        finally:
+            del self._adding[key]
+
+    async def _add_endpoint(self, host: str, port: int) -> None:
+        started = time.monotonic()
         elements = []
-        for address in addresses:
+        for address in await _addresses(host, port):
             set_name = "rollout4" if address.version == 4 else "rollout6"
             elements.append(f"add element inet {self.table} {set_name} {{ {address} . {port} }}")
         async with self._lock:
             await self._run("\n".join([*self._sets(), *elements]))
-        self._endpoints[key] = now
+        log.info(
+            "managed Task Apps may reach %s:%d (%s; %.0f ms)",
+            host,
+            port,
+            self.table,
+            1000 * (time.monotonic() - started),
+        )
 
 
 async def _addresses(host: str, port: int) -> list[ipaddress.IPv4Address | ipaddress.IPv6Address]:
