@@ -6,6 +6,7 @@ same work and trains nothing twice."""
 from __future__ import annotations
 
 import asyncio
+import json
 from collections import Counter
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from rlnode.engine.torch_engine import TorchEngine
 from rlnode.examples import example_job
 from rlnode.examples.taskapps import calculator, copy_task
 from rlnode.messages import JobConfig, JobEventType, RolloutWork, Trajectory
+from rlnode.messages.config import CurriculumSpec
 from rlnode.models.build import init_tiny_model
 from rlnode.service.openai_api import parse_tool_calls
 from rlnode.taskapp import TaskAppDefinition
@@ -465,3 +467,20 @@ async def test_lora_targets_the_model_lacks_fail_the_job_saying_which(tiny_model
     loop = Loop(tiny_model, tmp_path, job)
     with pytest.raises(JobFailed, match=r"target_modules \['c_attn'\] are not modules"):
         await loop.run()
+
+
+async def test_a_curriculum_issues_work_at_its_level_and_reports_it(tiny_model, tmp_path):
+    # The copy task reads `length` from its env config: the level is the string's length.
+    job = config(tiny_model, steps=3, max_async=0)
+    spec = CurriculumSpec(key="length", start=1, max_level=2, threshold=0.0, patience=1)
+    task_app = job.task_app.model_copy(update={"curriculum": spec})
+    loop = Loop(tiny_model, tmp_path, job.model_copy(update={"task_app": task_app}))
+    await loop.run()
+    steps = loop.events(JobEventType.TRAIN_STEP)
+    assert [s["curriculum_level"] for s in steps] == [2, 2, 2]
+    issued = {w.step: w.task_app.env_config["length"] for w, _ in loop.issued_while_at}
+    assert issued == {0: 1, 1: 2, 2: 2}
+    # What the Task App reported about its rollouts, averaged per step.
+    assert steps[0]["task_metrics"]["inference_calls"] == 1.0
+    state = (tmp_path / "org" / "job-loop" / "checkpoints").glob("step-*/trainer_state.json")
+    assert [json.loads(p.read_text())["curriculum_level"] for p in sorted(state)][-1] == 2

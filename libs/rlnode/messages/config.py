@@ -21,6 +21,30 @@ class ModelSpec(StrictModel):
     max_seq_len: PositiveInt = Field(2048, le=1_048_576)
 
 
+class CurriculumSpec(StrictModel):
+    """A difficulty level the learner raises as the job learns, written into every rollout's
+    env config as `key` (the Task App reads it; rlnode.environments.reasoning_gym takes
+    `level` to its curriculum). The level rises by one when `signal` reaches `threshold`
+    `patience` times in a row: the mean reward of a training step ("train") or the pass@1 of
+    an evaluation round ("eval", the held-out seeds). It never falls; `train.step` and
+    `eval.completed` report it, and a resumed job goes on from its checkpoint's level."""
+
+    key: str = Field("level", min_length=1, max_length=100)
+    start: NonNegativeInt = 0
+    max_level: NonNegativeInt = Field(10, le=1000)
+    signal: Literal["train", "eval"] = "train"
+    threshold: float = Field(0.8, description="Reward mean (train) or pass@1 (eval) to pass.")
+    patience: PositiveInt = Field(
+        2, le=1000, description="Consecutive steps (or rounds) at the threshold that raise it."
+    )
+
+    @model_validator(mode="after")
+    def _start_within(self) -> CurriculumSpec:
+        if self.start > self.max_level:
+            raise ValueError(f"curriculum.start {self.start} is above max_level {self.max_level}")
+        return self
+
+
 class TaskAppSpec(StrictModel):
     """Which registered Task App runs the episodes, and which vault secret it checks."""
 
@@ -31,6 +55,7 @@ class TaskAppSpec(StrictModel):
     env_name: str | None = None
     env_config: dict[str, Any] = Field(default_factory=dict)
     rollout_timeout_s: float = Field(300.0, gt=0, le=86_400)
+    curriculum: CurriculumSpec | None = None
 
 
 class SamplingSpec(StrictModel):
@@ -372,6 +397,17 @@ class JobConfig(StrictModel):
                     f"eval.seeds {held.start}..{held.stop - 1} overlap the seeds training "
                     f"visits ({seen.start}..{seen.stop - 1}), so they are not held out: move "
                     "eval.seeds.start past them, or bound training with seeds.count"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _curriculum_has_its_signal(self) -> JobConfig:
+        curriculum = self.task_app.curriculum
+        if curriculum is not None and curriculum.signal == "eval":
+            if self.eval is None or self.eval.every == 0:
+                raise ValueError(
+                    "task_app.curriculum.signal = 'eval' rises on evaluation rounds: add an "
+                    "[eval] section with every > 0, or use signal = 'train'"
                 )
         return self
 

@@ -212,6 +212,16 @@ class TrainStepData(EventData):
         "(k3 estimate): the engines' numerical gap plus the samples' staleness. A rise warns "
         "of a run about to collapse; training.tis_cap corrects for it.",
     )
+    curriculum_level: NonNegativeInt | None = Field(
+        None,
+        description="The curriculum's level after this step (task_app.curriculum; None "
+        "without one): the level the next work is issued at.",
+    )
+    task_metrics: dict[str, FiniteFloat] = Field(
+        default_factory=dict,
+        description="The mean of each number the Task App reported in its rollouts' "
+        "metrics.details, over the step's episodes that reported it.",
+    )
 
 
 class WeightsPublishedData(EventData):
@@ -291,6 +301,13 @@ class EvalCompletedData(EventData):
     temperature: NonNegativeFloat
     duration_s: NonNegativeFloat
     per_seed: list[SeedEval] = Field(default_factory=list)
+    curriculum_level: NonNegativeInt | None = Field(
+        None, description="The curriculum's level the round ran at (None without one)."
+    )
+    task_metrics: dict[str, FiniteFloat] = Field(
+        default_factory=dict,
+        description="The mean of each number the Task App reported, over the round's episodes.",
+    )
 
 
 class PausedData(EventData):

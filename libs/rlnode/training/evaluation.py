@@ -16,9 +16,10 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rlnode.messages import JobConfig, RolloutWork, SamplingSpec, Trajectory
+from rlnode.messages import JobConfig, RolloutWork, SamplingSpec, TaskAppSpec, Trajectory
 from rlnode.messages.config import EvalSpec
 from rlnode.messages.jobs import EvalCompletedData, SeedEval
+from rlnode.training.samples import task_metrics
 from rlnode.training.storage import temporary_sibling
 
 
@@ -28,6 +29,7 @@ class EvalRound:
     version: int
     expected: int
     started: float = field(default_factory=time.monotonic)
+    curriculum_level: int | None = None
     results: dict[uuid.UUID, Trajectory] = field(default_factory=dict)
 
     @property
@@ -45,9 +47,16 @@ def eval_sampling(config: JobConfig) -> SamplingSpec:
 
 
 def eval_work(
-    job_id: str, org_id: str, config: JobConfig, step: int, version: int, samples_per_work: int
+    job_id: str,
+    org_id: str,
+    config: JobConfig,
+    step: int,
+    version: int,
+    samples_per_work: int,
+    task_app: TaskAppSpec | None = None,
 ) -> list[RolloutWork]:
-    """Every held-out seed, `samples` times, to sample from weight version `version`."""
+    """Every held-out seed, `samples` times, to sample from weight version `version`
+    (with `task_app`, the job's at its curriculum level, in place of the config's)."""
     spec = _spec(config)
     sampling = eval_sampling(config)
     work = []
@@ -63,7 +72,7 @@ def eval_work(
             samples=spec.samples,
             group_size=spec.samples,
             model=config.model,
-            task_app=config.task_app,
+            task_app=task_app or config.task_app,
             sampling=sampling,
             mode="eval",
             lora=config.training.lora,
@@ -113,6 +122,8 @@ def summarise(round_: EvalRound, spec: EvalSpec) -> EvalCompletedData:
         temperature=spec.temperature,
         duration_s=time.monotonic() - round_.started,
         per_seed=per_seed,
+        curriculum_level=round_.curriculum_level,
+        task_metrics=task_metrics(list(round_.results.values())),
     )
 
 

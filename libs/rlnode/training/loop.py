@@ -45,6 +45,7 @@ from rlnode.service.registry import LEARNER
 from rlnode.service.stores import job_dir
 from rlnode.trackers.live import LiveTrackers
 from rlnode.training.breaker import Probe, TaskAppBreaker, TaskAppDown
+from rlnode.training.curriculum import Curriculum
 from rlnode.training.distributed import DataParallelError, DataParallelTrainer
 from rlnode.training.evaluation import (
     EvalRound,
@@ -60,7 +61,7 @@ from rlnode.training.losses import loss_class
 from rlnode.training.losses.dapo import overlong_shaped
 from rlnode.training.model_source import with_imported_model
 from rlnode.training.rank_hosts import RankHub
-from rlnode.training.samples import describe, pick
+from rlnode.training.samples import describe, pick, task_metrics
 from rlnode.training.storage import (
     StoreWriteFailed,
     free_bytes,
@@ -187,6 +188,7 @@ class JobRunner:
         self.early_evals: dict[int, dict[uuid.UUID, Trajectory]] = defaultdict(dict)
         # The job's [logging]: its events into trackers under its directory, as they happen.
         self.trackers: LiveTrackers | None = None
+        self.curriculum = Curriculum(config.task_app.curriculum)
 
     # -- trajectories in ------------------------------------------------------------------
 
@@ -336,10 +338,22 @@ class JobRunner:
         training goes on while it runs."""
         if step not in self.eval_steps or step in self.evaluated or step in self.evals:
             return
+        task_app = self.curriculum.task_app(self.config.task_app)
         work = eval_work(
-            self.job_id, self.org_id, self.config, step, self.version, self.samples_per_work
+            self.job_id,
+            self.org_id,
+            self.config,
+            step,
+            self.version,
+            self.samples_per_work,
+            task_app,
         )
-        round_ = EvalRound(step, self.version, expected=sum(w.samples for w in work))
+        round_ = EvalRound(
+            step,
+            self.version,
+            expected=sum(w.samples for w in work),
+            curriculum_level=self.curriculum.level,
+        )
         round_.results.update(self.early_evals.pop(step, {}))
         self.evals[step] = round_
         await self.transport.publish_work(work)
@@ -353,7 +367,10 @@ class JobRunner:
             await self._wait_for_round(round_)
             assert spec is not None, "a round runs only for a job with [eval]"
             data = summarise(round_, spec)
-            await self._event(JobEventType.EVAL_COMPLETED, eval_message(data), data)
+            message = eval_message(data)
+            if self.curriculum.observe("eval", data.pass_at_1):
+                message += f"; curriculum level raised to {self.curriculum.level}"
+            await self._event(JobEventType.EVAL_COMPLETED, message, data)
             await asyncio.to_thread(record_round, self.root, data)
             self.evaluated.add(step)
             del self.evals[step]
@@ -410,6 +427,7 @@ class JobRunner:
     def _work(self, step: int, prompts: list[tuple[int, int]]) -> list[RolloutWork]:
         """The rollout work of groups (prompt index, seed) of a step."""
         t = self.config.training
+        task_app = self.curriculum.task_app(self.config.task_app)
         work: list[RolloutWork] = []
         for prompt, seed in prompts:
             group = RolloutWork(
@@ -423,7 +441,7 @@ class JobRunner:
                 samples=t.group_size,
                 group_size=t.group_size,
                 model=self.config.model,
-                task_app=self.config.task_app,
+                task_app=task_app,
                 sampling=self.config.sampling,
                 lora=t.lora,
             )
@@ -555,9 +573,12 @@ class JobRunner:
         self.step = step + 1
         t = self.config.training
         shown = f"{reward_mean:.3f}" if reward_mean is not None else "nan"
+        message = f"step {self.step}/{t.steps}: reward {shown}, loss {loss:.4f}"
+        if self.curriculum.observe("train", reward_mean):
+            message += f"; curriculum level raised to {self.curriculum.level}"
         await self._event(
             JobEventType.TRAIN_STEP,
-            f"step {self.step}/{t.steps}: reward {shown}, loss {loss:.4f}",
+            message,
             TrainStepData(
                 step=self.step,
                 total_steps=t.steps,
@@ -579,6 +600,8 @@ class JobRunner:
                 merged_trajectories=batch.merged_trajectories,
                 per_turn_trajectories=batch.per_turn_trajectories,
                 mismatch_kl=mismatch_kl,
+                curriculum_level=self.curriculum.level,
+                task_metrics=task_metrics(ok),
             ),
         )
 
@@ -728,6 +751,7 @@ class JobRunner:
             "final": final,
             # What `rlnode job eval` runs a checkpoint with (its Task App, its sampling).
             "job_config": self.config.model_dump(mode="json"),
+            **self.curriculum.state(),
         }
         trainer = self.trainer
         await self._write(
@@ -788,6 +812,7 @@ class JobRunner:
         state = await self._on_trainer_thread(self.trainer.load_checkpoint, checkpoints[-1])
         self.step = state["step"]
         self.version = state["version"]
+        self.curriculum.restore(state)
         self.trained = set()
         self.checkpointed_step = self.step - 1
         for step in list(self.buffer):

@@ -73,3 +73,21 @@ def describe(trajectory: Trajectory, tokenizer: Decoder) -> EpisodeSample:
         turns=turns,
         duration_s=trajectory.duration_s,
     )
+
+
+MAX_TASK_METRICS = 32  # an event stays small whatever a Task App reports
+
+
+def task_metrics(trajectories: list[Trajectory]) -> dict[str, float]:
+    """The mean of each number the Task App reported (its rollouts' `metrics.details`) over
+    the episodes that reported it: a mix's per-task accuracy, a curriculum's level."""
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for trajectory in trajectories:
+        if trajectory.status != "ok":
+            continue
+        for name, value in trajectory.metrics.items():
+            if name in sums or len(sums) < MAX_TASK_METRICS:
+                sums[name] = sums.get(name, 0.0) + value
+                counts[name] = counts.get(name, 0) + 1
+    return {name: sums[name] / counts[name] for name in sorted(sums)}
