@@ -65,6 +65,9 @@ class Episode:
         self.config = request.env.config
         self._policy = policy
         self.steps: list[RolloutStep] = []
+        # Numbers about the episode for the rollout's metrics.details (the learner averages
+        # them per step into train.step's task_metrics): per-task accuracy, a level.
+        self.details: dict[str, float] = {}
 
     async def chat(self, messages: list[dict[str, Any]], **sampling: Any) -> ChatResult:
         """One inference call on the rollout's inference URL (OpenAI chat format)."""
@@ -310,7 +313,11 @@ async def run_rollout(
             num_steps=len(episode.steps),
             num_episodes=1,
             outcome_score=total,
-            details={"inference_calls": policy.calls, "duration_s": time.monotonic() - started},
+            details={
+                **episode.details,
+                "inference_calls": policy.calls,
+                "duration_s": time.monotonic() - started,
+            },
         ),
         aborted=aborted,
         ops_executed=len(episode.steps),
