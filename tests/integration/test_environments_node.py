@@ -1,0 +1,92 @@
+"""Environments written for other libraries, each registered the usual way (managed: the
+gateway starts it as a sandbox user with the org's key injected, behind the Task App network
+rules) and verified with `rlnode taskapp verify`, then one short job per library on the tiny
+model through one node: every rollout of the job answered by the library's own code."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlnode.examples import example_job
+from rlnode.messages import JobConfig, JobEventType
+from rlnode.models.build import init_tiny_model
+from rlnode.node.local import LocalNode, NodeOptions
+from rlnode.testing import run_rlnode, unique_id
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def environment_python(name: str) -> str:
+    """The python of an environment library's own venv (tools/environment-venv)."""
+    python = ROOT / ".venvs" / name / "bin" / "python"
+    assert python.exists(), f"{python} is missing: run `make environments`"
+    return str(python)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("environments")
+    with LocalNode(NodeOptions(data_dir=directory / "node")) as running:
+        org = running.create_org(unique_id("org"), {"ENVIRONMENT_API_KEY": unique_id("tk")})
+        model = init_tiny_model(directory / "tiny", seed=0)
+        yield running, org, model, directory
+
+
+def cli(node, *args: str) -> str:
+    running, org, _model, directory = node
+    env = {
+        **os.environ,
+        "RLNODE_TOKEN": org.token,
+        "KAFKA_BOOTSTRAP_SERVERS": running.bootstrap,
+        "RLNODE_VAULT_URL": running.url("credential-vault"),
+        "RLNODE_GATEWAY_URL": running.url("taskapp-gateway"),
+        "RLNODE_DATA_DIR": str(directory / "user"),
+    }
+    result = run_rlnode(env, *args, timeout=300, cwd=directory)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result.stdout
+
+
+def register(node, name: str, command: list[str]) -> str:
+    """`rlnode taskapp register NAME --command ...` then `rlnode taskapp verify NAME`."""
+    cli(node, "taskapp", "register", name, "--command", shlex.join(command))
+    return cli(node, "taskapp", "verify", name)
+
+
+def short_job(node, task_app: dict[str, Any], steps: int = 1, max_tokens: int = 16) -> JobConfig:
+    model = node[2]
+    job = example_job(
+        "copy_task", model, steps=steps, prompts_per_step=2, group_size=2, checkpoint_every=100
+    )
+    return JobConfig.model_validate(
+        job.model_dump(mode="json")
+        | {"task_app": task_app, "sampling": {"max_tokens": max_tokens, "temperature": 1.0}}
+    )
+
+
+def train_steps(node, job: JobConfig) -> list[dict]:
+    running, org, _model, _directory = node
+    _job_id, events = running.run_job(org, job, idle_timeout_s=240)
+    steps = [e.data for e in events if e.type is JobEventType.TRAIN_STEP]
+    assert steps and all(s["failed_rollouts"] == 0 for s in steps), steps
+    return steps
+
+
+def test_reasoning_gym_with_its_curriculum(node) -> None:
+    command = [sys.executable, "-m", "rlnode.environments.reasoning_gym", "--processes", "2"]
+    assert "ok" in register(node, "reasoning-gym", command).lower()
+    task_app = {
+        "name": "reasoning-gym",
+        "env_config": {"task": "chain_sum", "system_prompt": "direct"},
+        # Threshold 0: the level rises after every step, whatever the tiny model answers.
+        "curriculum": {"start": 0, "max_level": 5, "threshold": 0.0, "patience": 1},
+    }
+    steps = train_steps(node, short_job(node, task_app, steps=2))
+    assert [s["curriculum_level"] for s in steps] == [1, 2]
+    assert "correct" in steps[0]["task_metrics"] and "level" in steps[0]["task_metrics"]
