@@ -90,3 +90,12 @@ def test_reasoning_gym_with_its_curriculum(node) -> None:
     steps = train_steps(node, short_job(node, task_app, steps=2))
     assert [s["curriculum_level"] for s in steps] == [1, 2]
     assert "correct" in steps[0]["task_metrics"] and "level" in steps[0]["task_metrics"]
+
+
+def test_a_textarena_game_trained_as_one_sequence(node) -> None:
+    command = [sys.executable, "-m", "rlnode.environments.textarena", "--processes", "2"]
+    assert "ok" in register(node, "textarena", command).lower()
+    task_app = {"name": "textarena", "env_config": {"game": "GuessTheNumber-v0", "max_turns": 3}}
+    steps = train_steps(node, short_job(node, task_app, max_tokens=8))
+    # Each turn's prompt extended the last one's: every episode trained as one sample.
+    assert steps[0]["merged_trajectories"] > 0 and steps[0]["per_turn_trajectories"] == 0
