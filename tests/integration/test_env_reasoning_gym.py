@@ -24,11 +24,13 @@ class Answers:
 
     def __init__(self) -> None:
         self.replies: dict[str, str] = {}
+        self.asked: list[list[dict]] = []
         self.app = FastAPI()
 
         @self.app.post("/v1/chat/completions")
         async def chat(request: Request) -> dict[str, Any]:
             body = await request.json()
+            self.asked.append(body["messages"])
             question = body["messages"][-1]["content"]
             text = self.replies.get(question, "I do not know")
             message = {"role": "assistant", "content": text}
@@ -156,3 +158,15 @@ def test_bad_configs_say_what_to_change(app_url, policy) -> None:
     assert "no task 'chain_summ'" in unknown and "DATASETS" in unknown
     mode = rollout(app_url, url, 1, answer="json").json()["detail"]
     assert 'use "tags" or "text"' in mode
+
+
+def test_worked_examples_come_first_in_the_form_asked(app_url, policy) -> None:
+    url, answers = policy
+    entry = question(9)
+    answers.replies[entry["question"]] = entry["answer"]
+    got = rollout(app_url, url, 9, shots=2, answer="text", system_prompt="")
+    assert got.json()["metrics"]["mean_return"] == 1.0
+    asked = answers.asked[-1]
+    assert [m["role"] for m in asked] == ["user", "assistant", "user", "assistant", "user"]
+    shot = question(adapter.HELDOUT_FROM - 2)  # the training questions just below held-out
+    assert asked[0]["content"] == shot["question"] and asked[1]["content"] == shot["answer"]

@@ -14,6 +14,11 @@ env config (the job's `task_app.env_config`; each key overrides the command line
 - `system_prompt`: a name from reasoning-gym's SYSTEM_PROMPTS (default "default"), any other
   text, or "" for none; `answer`: "tags" (default: the reply's `<answer>` tags, as the
   library's prompts ask; no tags scores 0) or "text" (the whole reply).
+- `shots` (default 0): worked examples before the question, as earlier turns of the chat
+  (the library's question, its answer in the form `answer` asks for): training questions
+  of seeds just below `heldout_from`, the same for every seed. A small model that answers
+  every question with an essay (SmolLM2-135M: 0 of 64 right on chain_sum) answers in the
+  asked form after two (and so can be scored).
 - `heldout_from` (default 1,000,000): seeds from here on get held-out questions, below it
   training ones.
 
@@ -134,6 +139,27 @@ def item(data: Any, seed: int, heldout_from: int) -> dict[str, Any]:
     )
 
 
+def worked_examples(data: Any, config: dict[str, Any], mode: str) -> list[dict[str, str]]:
+    """`shots` earlier turns: training questions of the seeds just below `heldout_from`
+    (the end of the training range, which no job reaches) with the library's answers."""
+    shots = int(config.get("shots", 0))
+    if not 0 <= shots <= 16:
+        raise ValueError(f'env config "shots" is {shots}: give 0 to 16 worked examples')
+    heldout_from = int(config.get("heldout_from", HELDOUT_FROM))
+    turns: list[dict[str, str]] = []
+    for seed in range(heldout_from - shots, heldout_from):
+        shot = item(data, seed, heldout_from)
+        answer = str(shot["answer"])
+        turns.append({"role": "user", "content": shot["question"]})
+        turns.append(
+            {
+                "role": "assistant",
+                "content": f"<answer>{answer}</answer>" if mode == "tags" else answer,
+            }
+        )
+    return turns
+
+
 def build(task: str | None = None) -> TaskAppDefinition:
     def spec_of(config: dict[str, Any]) -> str:
         tasks = task_names(config, task)
@@ -160,12 +186,13 @@ def build(task: str | None = None) -> TaskAppDefinition:
         entry = item(data, episode.seed, int(config.get("heldout_from", HELDOUT_FROM)))
         prompt = config.get("system_prompt", "default")
         system = SYSTEM_PROMPTS.get(prompt, prompt)
-        messages = [{"role": "system", "content": system}] if system else []
-        messages.append({"role": "user", "content": entry["question"]})
-        reply = await episode.chat(messages)
         mode = config.get("answer", "tags")
         if mode not in ("tags", "text"):
             raise ValueError(f'env config "answer" is {mode!r}: use "tags" or "text"')
+        messages = [{"role": "system", "content": system}] if system else []
+        messages += worked_examples(data, config, mode)
+        messages.append({"role": "user", "content": entry["question"]})
+        reply = await episode.chat(messages)
         answer = extract_answer(reply.text) if mode == "tags" else reply.text.strip()
         score = float(data.score_answer(answer, entry))
         info: dict[str, Any] = {
