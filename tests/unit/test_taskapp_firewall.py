@@ -34,10 +34,14 @@ can_install = pytest.mark.skipif(
 
 
 def test_allowances_are_public_or_cidrs_and_a_bad_one_is_named() -> None:
-    public, networks = parse_allowances(["public", "10.1.0.0/16", "2001:db8::/48"])
+    public, networks, ports = parse_allowances(
+        ["public", "10.1.0.0/16", "2001:db8::/48", "127.0.0.1:8080", "[::1]:8081"]
+    )
     assert public and [str(n) for n in networks] == ["10.1.0.0/16", "2001:db8::/48"]
-    with pytest.raises(ValueError, match="'internet' is neither 'public' nor a CIDR"):
-        parse_allowances(["internet"])
+    assert [(str(n), p) for n, p in ports] == [("127.0.0.1/32", 8080), ("::1/128", 8081)]
+    for wrong in ("internet", "127.0.0.1:99999", "localhost:80"):
+        with pytest.raises(ValueError, match=f"'{wrong}' is neither 'public', a CIDR"):
+            parse_allowances([wrong])
     with pytest.raises(ValueError, match="GATEWAY_TASKAPP_ALLOW_TO"):
         GatewaySettings(taskapp_allow_to=["nope"])
 
@@ -158,3 +162,10 @@ async def _list_tables() -> str:
     )
     out, _ = await proc.communicate()
     return out.decode()
+
+
+def test_one_port_of_a_host_is_allowed_and_not_the_rest_of_it() -> None:
+    rules = TaskAppFirewall("rlnode_t", ["127.0.0.1:8080", "[::1]:8081"]).ruleset()
+    assert "add rule inet rlnode_t confine ip daddr 127.0.0.1/32 tcp dport 8080 accept" in rules
+    assert "add rule inet rlnode_t confine ip6 daddr ::1/128 tcp dport 8081 accept" in rules
+    assert "add element inet rlnode_t allow4" not in rules  # no whole address allowed

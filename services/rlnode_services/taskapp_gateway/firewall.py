@@ -8,7 +8,7 @@ whose output hook sends every packet of those uids through `confine`:
 - TCP to the generators' per-rollout endpoints (`rollout4`/`rollout6`: address . port),
   added by whichever gateway passes a rollout to the app, from the inference URL a
   generator's service token sent it; never from a user's input;
-- what the operator allows (`GATEWAY_TASKAPP_ALLOW_TO`: CIDRs, or `public`: any address
+- what the operator allows (`GATEWAY_TASKAPP_ALLOW_TO`: CIDRs, a CIDR's one port, or `public`: any address
   that is not private, loopback, link-local, reserved or the machine's own, and DNS to the
   resolvers of /etc/resolv.conf);
 - nothing else: TCP is reset (connection refused), the rest rejected.
@@ -70,23 +70,38 @@ def table_name(node_identity: str) -> str:
     return "rlnode_" + hashlib.blake2b(node_identity.encode(), digest_size=6).hexdigest()
 
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+PORT_ENTRY = re.compile(r"^(?:\[(?P<v6>[^\]]+)\]|(?P<v4>[^:\[\]]+)):(?P<port>\d{1,5})$")
+
+
 def parse_allowances(
     entries: list[str],
-) -> tuple[bool, list[ipaddress.IPv4Network | ipaddress.IPv6Network]]:
-    """(`public` given, the CIDRs); an entry that is neither says so."""
-    public, networks = False, []
+) -> tuple[bool, list[Network], list[tuple[Network, int]]]:
+    """(`public` given, the CIDRs, the CIDRs with one port: "127.0.0.1:8080",
+    "10.0.0.0/8:443", "[::1]:8080"); an entry that is none of these says so."""
+    public: bool = False
+    networks: list[Network] = []
+    ports: list[tuple[Network, int]] = []
     for entry in entries:
         if entry == "public":
             public = True
             continue
+        match = PORT_ENTRY.match(entry)
         try:
-            networks.append(ipaddress.ip_network(entry, strict=False))
+            if match:
+                port = int(match["port"])
+                if not 0 < port < 65536:
+                    raise ValueError
+                ports.append((ipaddress.ip_network(match["v6"] or match["v4"], strict=False), port))
+            else:
+                networks.append(ipaddress.ip_network(entry, strict=False))
         except ValueError:
             raise ValueError(
-                f"GATEWAY_TASKAPP_ALLOW_TO entry {entry!r} is neither 'public' nor a CIDR "
-                "(e.g. 203.0.113.7/32 or 2001:db8::/48)"
+                f"GATEWAY_TASKAPP_ALLOW_TO entry {entry!r} is neither 'public', a CIDR "
+                "(203.0.113.7/32, 2001:db8::/48) nor one with a port (127.0.0.1:8080, "
+                "[::1]:8080)"
             ) from None
-    return public, networks
+    return public, networks, ports
 
 
 def resolvers(
@@ -112,7 +127,7 @@ def _elements(values) -> str:
 class TaskAppFirewall:
     def __init__(self, table: str, allow_to: list[str], nft: str | None = None) -> None:
         self.table = table
-        self.public, self.networks = parse_allowances(allow_to)
+        self.public, self.networks, self.ports = parse_allowances(allow_to)
         self.nft = nft or shutil.which("nft") or "/usr/sbin/nft"
         self._endpoints: dict[tuple[str, int], float] = {}  # -> when this gateway added it
         # One addition per endpoint at a time: a group's rollouts all name the same one.
@@ -162,6 +177,9 @@ class TaskAppFirewall:
             f"{rule} ip daddr @allow4 accept",
             f"{rule} ip6 daddr @allow6 accept",
         ]
+        for network, port in self.ports:  # one service of a host (an environment server)
+            family = "ip" if network.version == 4 else "ip6"
+            lines.append(f"{rule} {family} daddr {network} tcp dport {port} accept")
         if self.public:
             dns = resolvers()
             dns4 = [a for a in dns if a.version == 4]
@@ -374,6 +392,7 @@ class TaskAppNetwork:
             described["allow_to"] = [
                 *(["public"] if self.firewall.public else []),
                 *map(str, self.firewall.networks),
+                *(f"{n}:{p}" if n.version == 4 else f"[{n}]:{p}" for n, p in self.firewall.ports),
             ]
         if self.unavailable:
             described["detail"] = self.unavailable

@@ -68,9 +68,10 @@ class GatewaySettings(VaultClientSettings):
     )
     taskapp_allow_to: list[str] = Field(
         default_factory=list,
-        description="What else managed Task Apps may reach, isolated (JSON list of CIDRs, or "
-        '"public": every public address, and DNS), e.g. ["public"] for an app that calls an '
-        "outside API.",
+        description="What else managed Task Apps may reach, isolated (JSON list of CIDRs, "
+        'CIDRs with one port ("127.0.0.1:8080", "[::1]:8080"), or "public": every public '
+        'address, and DNS), e.g. ["public"] for an app that calls an outside API, '
+        '["127.0.0.1:8080"] for an environment server on this machine.',
     )
     taskapp_firewall_table: str | None = Field(
         None,
@@ -120,5 +121,5 @@ class GatewaySettings(VaultClientSettings):
     @field_validator("taskapp_allow_to")
     @classmethod
     def _allowances(cls, value: list[str]) -> list[str]:
-        parse_allowances(value)  # says which entry is neither "public" nor a CIDR
+        parse_allowances(value)  # says which entry is not "public", a CIDR or one with a port
         return value
