@@ -2,11 +2,15 @@
 
 Every failure is one of the Trajectory failure kinds (rlnode.messages.rollouts.FailureKind),
 so a rollout-generator can publish it as it is. Only connection errors are retried: once a
-request reached the Task App, sending it again could run the episode twice."""
+request reached the Task App, sending it again could run the episode twice.
+
+A Task App speaks Synth's 2025 contract (`rollout`) or its container contract
+(`container_rollout`; rlnode.taskapp.containers); `detect` tells which."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -15,6 +19,8 @@ from pydantic import ValidationError
 
 from rlnode.messages.codec import describe_validation_error
 from rlnode.service.pooled_http import ConnectFailed, ConnectionBroke, PooledHttp, Reply, TimedOut
+from rlnode.taskapp import containers
+from rlnode.taskapp.containers import ContainerApp
 from rlnode.taskapp.contract import (
     API_KEY_HEADER,
     NormalisedRollout,
@@ -158,3 +164,102 @@ class TaskAppClient:
         except ValueError as e:
             raise TaskAppFailure("task_app_invalid_response", str(e)) from None
         return RolloutCall(result, parsed, attempts, time.monotonic() - started)
+
+    # -- Synth's container contract (rlnode.taskapp.containers) ----------------------------
+
+    async def detect(self, base_url: str, key: str | None) -> ContainerApp | None:
+        """The container at `base_url` as its /metadata and /dataset (or /taskset) describe
+        it; None for a 2025 Task App (no container /metadata)."""
+        base = base_url.rstrip("/")
+        metadata = await self._optional_json(base + "/metadata", key)
+        if containers.container_app(metadata) is None:
+            return None
+        dataset = await self._optional_json(base + "/dataset", key)
+        serves_rows = dataset is not None
+        if dataset is None:
+            dataset = await self._optional_json(base + "/taskset", key)
+        return containers.container_app(metadata, dataset, serves_rows)
+
+    async def _optional_json(self, url: str, key: str | None) -> Any:
+        """What GET `url` answers, or None when the route is not there (or answers no JSON)."""
+        reply, _ = await self.request("GET", url, key, 10.0)
+        if reply.status in (404, 405):
+            return None
+        if reply.status != 200:
+            raise classify_status(reply.status, reply.text)
+        try:
+            return reply.json()
+        except ValueError:
+            return None
+
+    async def container_rollout(
+        self,
+        base_url: str,
+        key: str,
+        request: RolloutRequest,
+        timeout_s: float,
+        app: ContainerApp,
+    ) -> RolloutCall:
+        """Submit it (async), poll its record until terminal, and stop it past `timeout_s`."""
+        started = time.monotonic()
+        deadline = started + timeout_s
+        base = base_url.rstrip("/")
+        split, row = app.split_for(request.mode), None
+        if split is not None and app.serves_rows and request.env.seed is not None:
+            rows = await self._json_of(
+                "POST",
+                base + "/dataset/rows",
+                key,
+                deadline,
+                {"split": split, "seeds": [request.env.seed]},
+            )
+            found = rows.get("rows") if isinstance(rows, dict) else None
+            if isinstance(found, list) and found and isinstance(found[0], dict):
+                row = found[0]
+        body = containers.rollout_body(request, split, row)
+        rollout = f"{base}/rollouts/{body['rollout_id']}"
+        try:
+            record = await self._json_of("POST", base + "/rollouts", key, deadline, body)
+            delay = 0.01  # polls: quick for short episodes, at most 4 a second for long ones
+            while isinstance(record, dict) and containers.in_progress(record):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise TaskAppFailure("timeout", "past its time")
+                await asyncio.sleep(min(delay, remaining))
+                delay = min(delay * 2, 0.25)
+                record = await self._json_of("GET", rollout, key, deadline)
+        except TaskAppFailure as e:
+            if e.kind != "timeout":
+                raise
+            # The contract's way to stop it: the container cancels it and keeps serving.
+            with contextlib.suppress(TaskAppFailure):
+                await self.request("POST", rollout + "/terminate", key, 5.0, json={})
+            raise TaskAppFailure(
+                "timeout",
+                f"the Task App did not finish rollout {body['rollout_id']} within "
+                f"{timeout_s:g}s (asked it to terminate the rollout)",
+            ) from None
+        try:
+            response = containers.rollout_response(request, record)
+        except containers.ContainerRolloutFailed as e:
+            raise TaskAppFailure("task_app_error", str(e)) from None
+        except ValueError as e:
+            raise TaskAppFailure("task_app_invalid_response", str(e)) from None
+        result = NormalisedRollout.from_response(response)
+        return RolloutCall(result, response, 1, time.monotonic() - started)
+
+    async def _json_of(
+        self, method: str, url: str, key: str, deadline: float, json: Any = None
+    ) -> Any:
+        # A poll answers at once; one that comes as the time runs out still gets a moment.
+        timeout_s = max(deadline - time.monotonic(), 0.5)
+        reply, _ = await self.request(method, url, key, timeout_s, json=json)
+        if reply.status not in (200, 202):
+            raise classify_status(reply.status, reply.text)
+        try:
+            return reply.json()
+        except ValueError:
+            path = url.split("/", 3)[-1]
+            raise TaskAppFailure(
+                "task_app_invalid_response", f"/{path} did not answer JSON: {reply.text[:200]}"
+            ) from None

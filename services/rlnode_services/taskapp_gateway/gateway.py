@@ -19,6 +19,8 @@ from sqlmodel import Session, col, delete, select
 
 from rlnode.messages import utc_now
 from rlnode.service.db import create_tables, session_scope
+from rlnode.taskapp import containers
+from rlnode.taskapp.containers import ContainerApp
 from rlnode.taskapp.contract import RolloutRequest
 from rlnode_services.taskapp_gateway.client import TaskAppClient, TaskAppFailure
 from rlnode_services.taskapp_gateway.firewall import (
@@ -82,6 +84,9 @@ class Gateway:
         # A gateway that does not run managed Task Apps reads where they answer, as cached.
         self.name = f"{socket.gethostname()}-{os.getpid()}"
         self._endpoints: dict[tuple[str, str], tuple[float, str]] = {}
+        # Which contract the Task App at an address speaks (None: Synth's 2025 one), asked
+        # once per address: a restarted managed one answers at a new one.
+        self._contracts: dict[str, asyncio.Future[ContainerApp | None]] = {}
         # The node's gateways share the database: its URL names the node's firewall table.
         table = settings.taskapp_firewall_table or table_name(str(engine.url))
         self.network = TaskAppNetwork(
@@ -379,7 +384,8 @@ class Gateway:
 
     async def verify(self, org_id: str, name: str) -> VerifyReport:
         """What a job needs: it answers /health with the key, accepts the key on /info, and
-        refuses a wrong key (400/401/403)."""
+        refuses a wrong key (400/401/403). One of Synth's containers answers /metadata
+        instead of /info, and takes no key (the contract has none): managed, it passes."""
         record = self.get(org_id, name)
         try:
             url, key = await self._target(record)
@@ -390,12 +396,27 @@ class Gateway:
                 ok=False, healthy=failed, accepts_key=failed, refuses_wrong_key=failed
             )
         healthy = await self._check(self.client.get_json(url, "/health", key), "answers /health")
+        container, contract = None, None
         try:
-            info = await self.client.get_json(url, "/info", key)
-            accepts = Check(ok=isinstance(info, dict), detail="accepts the key on /info")
+            container = await self._contract(url, key, fresh=True)
+            if container is None:
+                info = await self.client.get_json(url, "/info", key)
+                accepts = Check(ok=isinstance(info, dict), detail="accepts the key on /info")
+                contract = containers.LEGACY_CONTRACT
+            else:
+                accepts = Check(ok=True, detail=f"answers /metadata: it {container.verdict()}")
+                contract = containers.CONTAINER_CONTRACT
         except TaskAppFailure as e:
             accepts = Check(ok=False, detail=e.verdict)
-        refuses = await self._refuses_wrong_key(url, key)
+        if container is not None and record.kind == "managed":
+            refuses = self._keyless()
+        else:
+            refuses = await self._refuses_wrong_key(url, key)
+            if container is not None and not refuses.ok:
+                refuses.detail += (
+                    " (Synth's container contract has no key: register it managed, or put a "
+                    "proxy that checks X-API-Key in front of it)"
+                )
         # A verdict only: what the address answered stays here (the gateway must not be a
         # way to read what an address on its network says).
         return VerifyReport(
@@ -403,7 +424,36 @@ class Gateway:
             healthy=healthy,
             accepts_key=accepts,
             refuses_wrong_key=refuses,
+            contract=contract,
         )
+
+    def _keyless(self) -> Check:
+        """A managed container takes no key (the contract has none): it answers on this
+        machine's loopback, out of other Task Apps' reach when they are isolated."""
+        others = (
+            "other Task Apps cannot (isolated)"
+            if self.network.mode is NetworkMode.ISOLATED
+            else "so can other Task Apps (GATEWAY_TASKAPP_NETWORK=open)"
+        )
+        return Check(
+            ok=True,
+            detail="takes no key (Synth's container contract has none): managed, it answers on "
+            f"this machine's loopback only, where its processes can reach it; {others}",
+        )
+
+    async def _contract(
+        self, url: str, key: str | None, fresh: bool = False
+    ) -> ContainerApp | None:
+        """The container at `url`, or None for a Task App of Synth's 2025 contract."""
+        known = self._contracts.get(url)
+        if known is None or fresh:
+            known = self._contracts[url] = asyncio.ensure_future(self.client.detect(url, key))
+        try:
+            return await asyncio.shield(known)
+        except TaskAppFailure:
+            if self._contracts.get(url) is known:
+                del self._contracts[url]
+            raise
 
     @staticmethod
     async def _check(call, what: str) -> Check:
@@ -472,11 +522,16 @@ class Gateway:
         timeout = timeout_s or self.settings.rollout_timeout_s
         request.safety.max_time_s = min(request.safety.max_time_s, timeout)
         started = time.monotonic()
+        url = None
         try:
             url, key = await self._target(record, job_id)
             if record.kind == "managed":  # it may call back the generator that sent this
                 await self.network.allow_endpoint(request.policy.config.inference_url)
-            call = await self.client.rollout(url, key, request, timeout)
+            container = await self._contract(url, key)
+            if container is None:
+                call = await self.client.rollout(url, key, request, timeout)
+            else:
+                call = await self.client.container_rollout(url, key, request, timeout, container)
         except IsolationUnavailable as e:
             return self._failed(request, "task_app_unreachable", str(e), None, started)
         except KeyUnavailable as e:
@@ -487,6 +542,8 @@ class Gateway:
                 self.keys.forget(record.org_id, record.secret)
             if e.kind == "task_app_unreachable":  # it may have moved: read where, next time
                 self._endpoints.pop((record.org_id, record.name), None)
+            if url and e.kind in ("task_app_unreachable", "task_app_invalid_response"):
+                self._contracts.pop(url, None)  # or changed: which contract, ask again
             return self._failed(request, e.kind, e.message, e.status_code, started)
         return RolloutOutcome(
             status="ok",

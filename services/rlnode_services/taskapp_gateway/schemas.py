@@ -108,6 +108,12 @@ class VerifyReport(BaseModel):
     healthy: Check
     accepts_key: Check
     refuses_wrong_key: Check
+    contract: str | None = Field(
+        None,
+        description="Which contract it speaks: synth-taskapp-2025 (/info, /rollout) or "
+        "synth-container (/metadata, /rollouts; rlnode.taskapp.containers); None when it "
+        "could not be asked",
+    )
 
 
 class RunRollout(Strict):
