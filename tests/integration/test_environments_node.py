@@ -5,19 +5,23 @@ model through one node: every rollout of the job answered by the library's own c
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
+from rlnode.bus.localbroker import free_port
 from rlnode.examples import example_job
 from rlnode.messages import JobConfig, JobEventType
 from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.testing import run_rlnode, unique_id
+from tests.integration import test_env_openreward as openreward
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,9 +34,27 @@ def environment_python(name: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def node(tmp_path_factory):
+def openreward_server(tmp_path_factory):
+    """An OpenReward environment server of the user's, on this machine (its own venv)."""
+    python, port = environment_python("openreward"), free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path_factory.mktemp("openreward") / "env-server.log"
+    command = [python, str(openreward.ENV_SERVER), "--port", str(port)]
+    ready = lambda: httpx.get(url + "/health").is_success  # noqa: E731
+    process = openreward.started(command, openreward.OFFLINE, log, ready)
+    yield url, port
+    openreward.stopped(process)
+
+
+@pytest.fixture(scope="module")
+def node(tmp_path_factory, openreward_server):
     directory = tmp_path_factory.mktemp("environments")
-    with LocalNode(NodeOptions(data_dir=directory / "node")) as running:
+    # Managed Task Apps are isolated: the environment server's one port is let through.
+    allow = json.dumps([f"127.0.0.1:{openreward_server[1]}"])
+    options = NodeOptions(
+        data_dir=directory / "node", env={"taskapp-gateway": {"GATEWAY_TASKAPP_ALLOW_TO": allow}}
+    )
+    with LocalNode(options) as running:
         org = running.create_org(unique_id("org"), {"ENVIRONMENT_API_KEY": unique_id("tk")})
         model = init_tiny_model(directory / "tiny", seed=0)
         yield running, org, model, directory
@@ -59,8 +81,10 @@ def register(node, name: str, command: list[str]) -> str:
     return cli(node, "taskapp", "verify", name)
 
 
-def short_job(node, task_app: dict[str, Any], steps: int = 1, max_tokens: int = 16) -> JobConfig:
-    model = node[2]
+def short_job(
+    node, task_app: dict[str, Any], steps: int = 1, max_tokens: int = 16, model: Path | None = None
+) -> JobConfig:
+    model = model or node[2]
     job = example_job(
         "copy_task", model, steps=steps, prompts_per_step=2, group_size=2, checkpoint_every=100
     )
@@ -74,7 +98,9 @@ def train_steps(node, job: JobConfig) -> list[dict]:
     running, org, _model, _directory = node
     _job_id, events = running.run_job(org, job, idle_timeout_s=240)
     steps = [e.data for e in events if e.type is JobEventType.TRAIN_STEP]
-    assert steps and all(s["failed_rollouts"] == 0 for s in steps), steps
+    # What the failed episodes said (rollout.sample shows a step's failed ones).
+    said = [e.data for e in events if e.type is JobEventType.ROLLOUT_SAMPLE]
+    assert steps and all(s["failed_rollouts"] == 0 for s in steps), said
     return steps
 
 
@@ -99,3 +125,22 @@ def test_a_textarena_game_trained_as_one_sequence(node) -> None:
     steps = train_steps(node, short_job(node, task_app, max_tokens=8))
     # Each turn's prompt extended the last one's: every episode trained as one sample.
     assert steps[0]["merged_trajectories"] > 0 and steps[0]["per_turn_trajectories"] == 0
+
+
+def test_an_openreward_environment_server_through_tool_calls(
+    node, openreward_server, tool_model
+) -> None:
+    url, _port = openreward_server
+    command = [environment_python("openreward"), "-m", "rlnode.environments.openreward"]
+    command += ["--server", url, "--environment", "arithmeticenv", "--processes", "2"]
+    assert "ok" in register(node, "openreward", command).lower()
+    task_app = {"name": "openreward", "env_config": {"max_turns": 2}}
+    # Its tools reach the model as OpenAI tools: a model whose chat template renders them.
+    train_steps(node, short_job(node, task_app, max_tokens=48, model=tool_model))
+
+
+def test_a_synth_container(node) -> None:
+    script = ROOT / "tests" / "environments" / "synth_sums.py"
+    verdict = register(node, "synth-sums", [environment_python("synth-containers"), str(script)])
+    assert "ok" in verdict.lower()
+    train_steps(node, short_job(node, {"name": "synth-sums"}))
