@@ -39,6 +39,7 @@ HELDOUT_FROM = 1_000_000
 # A 135M model does not write reasoning-gym's <answer> tags unprompted: ask for the answer
 # alone and score the whole reply (the adapter's answer = "text").
 ANSWER_ONLY = "Answer with the answer only, nothing else."
+SHOTS = 2
 
 
 @dataclass
@@ -52,7 +53,15 @@ class Environment:
 
 
 def reasoning_gym(task: str, max_tokens: int = 32) -> Environment:
-    config = {"task": task, "level": 0, "system_prompt": ANSWER_ONLY, "answer": "text"}
+    # Two worked examples: without them SmolLM2-135M answers every question with an essay
+    # (0 of 64 right on chain_sum, count_bits, gcd...), which no reward can be learned from.
+    config = {
+        "task": task,
+        "level": 0,
+        "system_prompt": ANSWER_ONLY,
+        "answer": "text",
+        "shots": SHOTS,
+    }
     return Environment(task, "reasoning-gym", config, max_tokens)
 
 
@@ -70,11 +79,20 @@ ENVIRONMENTS = [
             "count_bits",
         )
     ),
+    # TextArena's GuessTheNumber (1 to 20, 5 turns): the game's own reward, 1 for finding it,
+    # else how close the last guess was; one growing chat, trained as one sequence.
+    Environment(
+        "textarena GuessTheNumber",
+        "textarena",
+        {"game": "GuessTheNumber-v0", "max_turns": 5},
+        max_tokens=16,
+    ),
 ]
 
 # How each Task App is started (managed, by the gateway): the library's venv and adapter.
 APPS: dict[str, list[str]] = {
     "reasoning-gym": [sys.executable, "-m", "rlnode.environments.reasoning_gym"],
+    "textarena": [sys.executable, "-m", "rlnode.environments.textarena"],
 }
 
 
@@ -170,9 +188,12 @@ def trl_worker(model: Path, task: str, args, out: Path) -> None:
     def entry(seed: int) -> dict:
         return adapter.item(data, seed, HELDOUT_FROM)
 
+    shots = adapter.worked_examples(data, env.env_config, "text")
+
     def messages(item: dict) -> list[dict]:
         return [
             {"role": "system", "content": ANSWER_ONLY},
+            *shots,
             {"role": "user", "content": item["question"]},
         ]
 
