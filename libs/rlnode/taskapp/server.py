@@ -314,9 +314,11 @@ async def run_rollout(
             num_episodes=1,
             outcome_score=total,
             details={
-                **episode.details,
+                # An episode whose library calls the policy with a client of its own
+                # (verifiers) counts its calls itself: its count is the one kept.
                 "inference_calls": policy.calls,
                 "duration_s": time.monotonic() - started,
+                **episode.details,
             },
         ),
         aborted=aborted,
