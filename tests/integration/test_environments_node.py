@@ -22,6 +22,7 @@ from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.testing import run_rlnode, unique_id
 from tests.integration import test_env_openreward as openreward
+from tests.integration import test_env_verifiers as verifiers
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -75,9 +76,10 @@ def cli(node, *args: str) -> str:
     return result.stdout
 
 
-def register(node, name: str, command: list[str]) -> str:
-    """`rlnode taskapp register NAME --command ...` then `rlnode taskapp verify NAME`."""
-    cli(node, "taskapp", "register", name, "--command", shlex.join(command))
+def register(node, name: str, command: list[str], env: dict[str, str] | None = None) -> str:
+    """`rlnode taskapp register NAME --command ... [--env K=V]` then `rlnode taskapp verify`."""
+    extra = [f"--env={k}={v}" for k, v in (env or {}).items()]
+    cli(node, "taskapp", "register", name, "--command", shlex.join(command), *extra)
     return cli(node, "taskapp", "verify", name)
 
 
@@ -99,7 +101,13 @@ def train_steps(node, job: JobConfig) -> list[dict]:
     _job_id, events = running.run_job(org, job, idle_timeout_s=240)
     steps = [e.data for e in events if e.type is JobEventType.TRAIN_STEP]
     # What the failed episodes said (rollout.sample shows a step's failed ones).
-    said = [e.data for e in events if e.type is JobEventType.ROLLOUT_SAMPLE]
+    said = [
+        f"{sample['failure_kind']}: {sample['failure_message']}"
+        for e in events
+        if e.type is JobEventType.ROLLOUT_SAMPLE
+        for sample in e.data["samples"]
+        if sample["status"] == "failed"
+    ]
     assert steps and all(s["failed_rollouts"] == 0 for s in steps), said
     return steps
 
@@ -144,3 +152,20 @@ def test_a_synth_container(node) -> None:
     verdict = register(node, "synth-sums", [environment_python("synth-containers"), str(script)])
     assert "ok" in verdict.lower()
     train_steps(node, short_job(node, {"name": "synth-sums"}))
+
+
+# verifiers 0.4 runs its harness in a subprocess that calls the model through a relay the
+# library starts on the app's own loopback port; the Task App network rules let a managed
+# app reach the rollout endpoints only, not even itself (a known gap: docs/security.md).
+ISOLATED_0_4 = pytest.mark.xfail(
+    strict=True, reason="a managed Task App cannot reach its own loopback ports (isolated)"
+)
+
+
+@pytest.mark.parametrize("version", ["0.3", pytest.param("0.4", marks=ISOLATED_0_4)])
+def test_a_published_style_verifiers_environment(node, version) -> None:
+    app = verifiers.NODE_TASK_APPS[version]
+    verifiers.environment_python(version)  # says what to run when its venv is missing
+    name = f"verifiers-{version.replace('.', '')}"
+    assert "ok" in register(node, name, app["command"], app["env"]).lower()
+    train_steps(node, short_job(node, {"name": name, "env_config": app["env_config"]}))

@@ -61,6 +61,8 @@ def _verify(args: argparse.Namespace) -> int:
     for check in ("healthy", "accepts_key", "refuses_wrong_key"):
         mark = "ok  " if report[check]["ok"] else "FAIL"
         print(f"  {mark} {check:18} {report[check]['detail']}")
+    if report.get("contract"):
+        print(f"  contract           {report['contract']}")
     print("verified: a job can use it" if report["ok"] else "not usable by a job yet")
     return 0 if report["ok"] else 1
 
