@@ -155,14 +155,9 @@ def test_a_synth_container(node) -> None:
 
 
 # verifiers 0.4 runs its harness in a subprocess that calls the model through a relay the
-# library starts on the app's own loopback port; the Task App network rules let a managed
-# app reach the rollout endpoints only, not even itself (a known gap: docs/security.md).
-ISOLATED_0_4 = pytest.mark.xfail(
-    strict=True, reason="a managed Task App cannot reach its own loopback ports (isolated)"
-)
-
-
-@pytest.mark.parametrize("version", ["0.3", pytest.param("0.4", marks=ISOLATED_0_4)])
+# library starts on the app's own loopback port: the Task App rules let an app reach its
+# own listening sockets (cgroups.py), and no one else's.
+@pytest.mark.parametrize("version", ["0.3", "0.4"])
 def test_a_published_style_verifiers_environment(node, version) -> None:
     app = verifiers.NODE_TASK_APPS[version]
     verifiers.environment_python(version)  # says what to run when its venv is missing

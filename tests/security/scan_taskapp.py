@@ -122,6 +122,7 @@ async def probe(inference_url: str) -> dict[str, Any]:
         "uid": os.getuid(),
         "inference_url": inference_url,
         "inference_port": urlsplit(inference_url).port,
+        "own_port": int(env["PORT"]),
         "listening": [[a, p] for a, p in ports],
         "reached": reached,
         "refused": refused,

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from rlnode.service.db import make_engine
+from rlnode_services.taskapp_gateway.cgroups import OwnCgroups, cgroup2_mount
 from rlnode_services.taskapp_gateway.firewall import (
     OPEN_SETTING,
     IsolationUnavailable,
@@ -169,3 +170,27 @@ def test_one_port_of_a_host_is_allowed_and_not_the_rest_of_it() -> None:
     assert "add rule inet rlnode_t confine ip daddr 127.0.0.1/32 tcp dport 8080 accept" in rules
     assert "add rule inet rlnode_t confine ip6 daddr ::1/128 tcp dport 8081 accept" in rules
     assert "add element inet rlnode_t allow4" not in rules  # no whole address allowed
+
+
+def test_with_cgroups_an_app_reaches_its_own_sockets_and_no_one_elses(tmp_path) -> None:
+    mounts = tmp_path / "mounts"
+    mounts.write_text(
+        "cgroup /sys/fs/cgroup/cpu cgroup rw 0 0\n"
+        "cgroup2 /sys/fs/cgroup/unified cgroup2 rw,relatime 0 0\n"
+    )
+    assert cgroup2_mount(mounts) == Path("/sys/fs/cgroup/unified")
+    assert cgroup2_mount(tmp_path / "absent") is None
+    cgroups = OwnCgroups(Path("/sys/fs/cgroup/unified"), "rlnode_t")
+    assert cgroups.nft_match(10001) == (
+        'socket cgroupv2 level 3 "unified/rlnode-taskapps/rlnode_t/uid-10001"'
+    )
+    rules = TaskAppFirewall("rlnode_t", [], cgroups=cgroups).ruleset()
+    # Out: a new connection to the machine's own addresses carries the uid; in: only to a
+    # socket of that uid's cgroup (own_<uid>, added with the app).
+    assert (
+        "confine fib daddr type local meta l4proto tcp ct state new "
+        "ct mark set meta skuid map @marks accept"
+    ) in rules
+    assert "add rule inet rlnode_t input iif lo ct state new ct mark vmap @owners" in rules
+    # Without cgroups, nothing of the machine's own is let through.
+    assert "fib daddr type local" not in TaskAppFirewall("rlnode_t", []).ruleset()

@@ -11,6 +11,9 @@ whose output hook sends every packet of those uids through `confine`:
 - what the operator allows (`GATEWAY_TASKAPP_ALLOW_TO`: CIDRs, a CIDR's one port, or `public`: any address
   that is not private, loopback, link-local, reserved or the machine's own, and DNS to the
   resolvers of /etc/resolv.conf);
+- its own listening sockets, where the host has cgroup v2 (cgroups.py): its new TCP
+  connections to the machine's own addresses are marked with its uid and accepted, and the
+  input hook then lets them in only to a socket of its own cgroup (chain `own_<uid>`);
 - nothing else: TCP is reset (connection refused), the rest rejected.
 
 The uid joins `taskapps` before the process starts and leaves it once it is gone. The
@@ -32,6 +35,8 @@ import time
 from enum import StrEnum
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from rlnode_services.taskapp_gateway.cgroups import OwnCgroups
 
 log = logging.getLogger("taskapp_gateway.firewall")
 
@@ -125,8 +130,16 @@ def _elements(values) -> str:
 
 
 class TaskAppFirewall:
-    def __init__(self, table: str, allow_to: list[str], nft: str | None = None) -> None:
+    def __init__(
+        self,
+        table: str,
+        allow_to: list[str],
+        nft: str | None = None,
+        cgroups: OwnCgroups | None = None,
+    ) -> None:
         self.table = table
+        # None: the apps cannot reach their own ports (no cgroup v2 here)
+        self.cgroups = cgroups
         self.public, self.networks, self.ports = parse_allowances(allow_to)
         self.nft = nft or shutil.which("nft") or "/usr/sbin/nft"
         self._endpoints: dict[tuple[str, int], float] = {}  # -> when this gateway added it
@@ -156,9 +169,15 @@ class TaskAppFirewall:
             f"add set {t} allow4 {{ type ipv4_addr ; flags interval ; }}",
             f"add set {t} allow6 {{ type ipv6_addr ; flags interval ; }}",
             f"add chain {t} output {{ type filter hook output priority 0 ; policy accept ; }}",
+            f"add chain {t} input {{ type filter hook input priority 0 ; policy accept ; }}",
             f"add chain {t} confine",
+            f"add map {t} owners {{ type mark : verdict ; }}",
+            f"add map {t} marks {{ type uid : mark ; }}",  # nft sets no mark from a uid
             f"flush chain {t} output",
+            f"flush chain {t} input",
             f"flush chain {t} confine",
+            f"flush map {t} owners",
+            f"flush map {t} marks",
             f"flush set {t} taskapps",  # its Task Apps died with the gateway that ran them
             f"flush set {t} allow4",
             f"flush set {t} allow6",
@@ -180,6 +199,13 @@ class TaskAppFirewall:
         for network, port in self.ports:  # one service of a host (an environment server)
             family = "ip" if network.version == 4 else "ip6"
             lines.append(f"{rule} {family} daddr {network} tcp dport {port} accept")
+        if self.cgroups is not None:
+            # Out, marked with the uid; in, only to a socket of that uid's cgroup (own_<uid>).
+            lines += [
+                f"{rule} fib daddr type local meta l4proto tcp ct state new "
+                "ct mark set meta skuid map @marks accept",
+                f"add rule {t} input iif lo ct state new ct mark vmap @owners",
+            ]
         if self.public:
             dns = resolvers()
             dns4 = [a for a in dns if a.version == 4]
@@ -258,20 +284,46 @@ class TaskAppFirewall:
             await proc.wait()
             self._endpoints.clear()
 
+    def cgroup(self, uid: int) -> Path | None:
+        """The cgroup `uid`'s Task App runs in (None: no cgroup of its own here)."""
+        return self.cgroups.path(uid) if self.cgroups is not None else None
+
     async def confine(self, uid: int) -> None:
         """From now on, what `uid` sends goes through the rules."""
+        t = f"inet {self.table}"
+        script = [*self._sets()]
+        if self.cgroups is not None:
+            await asyncio.to_thread(self.cgroups.create, uid)  # nft resolves it when loaded
+            own = f"own_{uid}"
+            script += [
+                f"add chain {t} {own}",
+                f"flush chain {t} {own}",
+                f"add rule {t} {own} {self.cgroups.nft_match(uid)} accept",
+                f"add rule {t} {own} counter reject with tcp reset",
+                f"add element {t} marks {{ {uid} : {uid} }}",
+                f"add element {t} owners {{ {uid} : jump {own} }}",
+            ]
+        script.append(f"add element {t} taskapps {{ {uid} }}")
         async with self._lock:
-            await self._run(
-                "\n".join([*self._sets(), f"add element inet {self.table} taskapps {{ {uid} }}"])
-            )
+            await self._run("\n".join(script))
 
     async def release(self, uid: int) -> None:
+        t = f"inet {self.table}"
+        steps = [f"delete element {t} taskapps {{ {uid} }}"]
+        if self.cgroups is not None:
+            steps += [
+                f"delete element {t} marks {{ {uid} }}",
+                f"delete element {t} owners {{ {uid} }}",
+                f"delete chain {t} own_{uid}",
+            ]
         async with self._lock:
-            script = [*self._sets(), f"delete element inet {self.table} taskapps {{ {uid} }}"]
-            try:
-                await self._run("\n".join(script))
-            except IsolationUnavailable as e:  # not there: nothing to release
-                log.debug("releasing uid %d: %s", uid, e)
+            for step in steps:  # each on its own: one that is gone already stops none
+                try:
+                    await self._run("\n".join([*self._sets(), step]))
+                except IsolationUnavailable as e:
+                    log.debug("releasing uid %d: %s", uid, e)
+        if self.cgroups is not None:
+            await asyncio.to_thread(self.cgroups.remove, uid)
 
     async def allow_endpoint(self, inference_url: str) -> None:
         """Let Task Apps reach the generator endpoint `inference_url` names (host and port)."""
@@ -379,6 +431,12 @@ class TaskAppNetwork:
         if self.firewall is not None and uid is not None and not self.unavailable:
             await self.firewall.release(uid)
 
+    def cgroup(self, uid: int | None) -> Path | None:
+        """Where a managed Task App of `uid` runs, for the rules to know its sockets."""
+        if self.firewall is None or uid is None or self.unavailable:
+            return None
+        return self.firewall.cgroup(uid)
+
     async def allow_endpoint(self, inference_url: str) -> None:
         if self.firewall is not None:
             self.require()
@@ -389,6 +447,7 @@ class TaskAppNetwork:
         described: dict[str, object] = {"mode": self.mode.value, "ready": not self.unavailable}
         if self.firewall is not None:
             described["table"] = f"inet {self.firewall.table}"
+            described["own_ports"] = self.firewall.cgroups is not None
             described["allow_to"] = [
                 *(["public"] if self.firewall.public else []),
                 *map(str, self.firewall.networks),

@@ -22,6 +22,7 @@ from rlnode.service.db import create_tables, session_scope
 from rlnode.taskapp import containers
 from rlnode.taskapp.containers import ContainerApp
 from rlnode.taskapp.contract import RolloutRequest
+from rlnode_services.taskapp_gateway.cgroups import OwnCgroups
 from rlnode_services.taskapp_gateway.client import TaskAppClient, TaskAppFailure
 from rlnode_services.taskapp_gateway.firewall import (
     IsolationUnavailable,
@@ -91,7 +92,7 @@ class Gateway:
         table = settings.taskapp_firewall_table or table_name(str(engine.url))
         self.network = TaskAppNetwork(
             NetworkMode(settings.taskapp_network),
-            TaskAppFirewall(table, settings.taskapp_allow_to),
+            TaskAppFirewall(table, settings.taskapp_allow_to, cgroups=OwnCgroups.here(table)),
             own_users=self._own_users,
         )
         create_tables(engine, *TABLES)

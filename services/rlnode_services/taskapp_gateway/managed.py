@@ -233,7 +233,7 @@ class ManagedTaskApp:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,  # its own process group: stop() ends its children too
-                **sandbox.process_options(),
+                **sandbox.process_options(self.network.cgroup(sandbox.uid)),
             )
         except (OSError, subprocess.SubprocessError) as e:
             why = e.strerror if isinstance(e, OSError) else str(e)

@@ -30,6 +30,8 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rlnode_services.taskapp_gateway.cgroups import join
+
 PR_SET_PDEATHSIG = 1
 PR_SET_NO_NEW_PRIVS = 38
 UID_SPAN = 1 << 20  # Task App uids: base .. base + span
@@ -66,15 +68,18 @@ class Sandbox:
             "HOST": "127.0.0.1",
         }
 
-    def process_options(self) -> dict[str, Any]:
+    def process_options(self, cgroup: Path | None = None) -> dict[str, Any]:
         """Keyword arguments for the subprocess call that starts the Task App. The user is
-        taken in `preexec_fn` too: uvloop's subprocesses take no `user=`."""
+        taken in `preexec_fn` too: uvloop's subprocesses take no `user=`. `cgroup`: one of
+        its own (cgroups.py), joined first."""
         parent = os.getpid()
-        return {"preexec_fn": lambda: self._enter(parent)}
+        return {"preexec_fn": lambda: self._enter(parent, cgroup)}
 
-    def _enter(self, parent: int) -> None:
-        # Runs in the child before it runs the command: limits (as root, hard ones too), then
-        # the user, then no way back to privileges.
+    def _enter(self, parent: int, cgroup: Path | None) -> None:
+        # Runs in the child before it runs the command: its cgroup and limits (as root, hard
+        # ones too), then the user, then no way back to privileges.
+        if cgroup is not None:
+            join(cgroup)
         memory = self.memory_mb << 20
         resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
         resource.setrlimit(resource.RLIMIT_NPROC, (self.processes, self.processes))
