@@ -81,6 +81,15 @@ ENVIRONMENTS = [
     ),
     # TextArena's GuessTheNumber (1 to 20, 5 turns): the game's own reward, 1 for finding it,
     # else how close the last guess was; one growing chat, trained as one sequence.
+    # A verifiers environment as the Environments Hub publishes them (0.3 API: a
+    # SingleTurnEnv, its XMLParser and Rubric: 1 for the right sum, 0.2 for the format),
+    # 64 training questions, its own 32-question eval dataset held out.
+    Environment(
+        "verifiers vf_sums",
+        "verifiers-0.3",
+        {"args": {"num_train": 64, "num_eval": 32}},
+        max_tokens=32,
+    ),
     Environment(
         "textarena GuessTheNumber",
         "textarena",
@@ -89,10 +98,18 @@ ENVIRONMENTS = [
     ),
 ]
 
-# How each Task App is started (managed, by the gateway): the library's venv and adapter.
-APPS: dict[str, list[str]] = {
-    "reasoning-gym": [sys.executable, "-m", "rlnode.environments.reasoning_gym"],
-    "textarena": [sys.executable, "-m", "rlnode.environments.textarena"],
+# How each Task App is started (managed, by the gateway): the library's venv and adapter,
+# and its environment variables (where the verifiers environment's module is).
+APPS: dict[str, tuple[list[str], dict[str, str]]] = {
+    "reasoning-gym": ([sys.executable, "-m", "rlnode.environments.reasoning_gym"], {}),
+    "textarena": ([sys.executable, "-m", "rlnode.environments.textarena"], {}),
+    "verifiers-0.3": (
+        [
+            str(ROOT / ".venvs" / "verifiers-0.3" / "bin" / "python"),
+            *("-m", "rlnode.environments.verifiers", "--env", "vf_sums"),
+        ],
+        {"PYTHONPATH": str(ROOT / "tests" / "environments" / "vf_sums")},
+    ),
 }
 
 
@@ -325,11 +342,11 @@ def register(node, org, app: str) -> str | None:
     """Register `app` as a managed Task App; None, or why it cannot run here."""
     from rlnode.sdk.gateway import GatewayClient
 
-    command = APPS[app]
+    command, env = APPS[app]
     if not Path(command[0]).exists():
         return f"{command[0]} is missing (make environments)"
     with GatewayClient(node.url("taskapp-gateway"), org.token) as gateway:
-        gateway.register(app, command=command)
+        gateway.register(app, command=command, env=env)
         verdict = gateway.verify(app)
     return None if verdict.get("ok") else f"verify failed: {verdict}"
 
@@ -396,6 +413,10 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 
 def report(results: dict[str, dict], args) -> None:
+    if args.merge and (RESULTS / "breadth.json").exists():
+        # Rows of an earlier run (`--only` ran a few again): this run's replace theirs.
+        earlier = json.loads((RESULTS / "breadth.json").read_text())["runs"]
+        results = {**earlier, **{k: {**earlier.get(k, {}), **v} for k, v in results.items()}}
     rows = []
     for name, systems in results.items():
         for system, r in systems.items():
@@ -437,6 +458,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     arguments(parser)
     parser.add_argument("--only", type=lambda s: s.split(","), default=[])
+    parser.add_argument(
+        "--merge", action="store_true", help="keep the other rows of the last breadth.json"
+    )
     parser.add_argument(
         "--trl", type=lambda s: [t for t in s.split(",") if t], default="chain_sum,gcd,count_bits"
     )

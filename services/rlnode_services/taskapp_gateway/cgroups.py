@@ -66,6 +66,15 @@ class OwnCgroups:
         with contextlib.suppress(OSError):  # busy: something of it still runs; kept
             self.path(uid).rmdir()
 
+    def remove_all(self) -> None:
+        """The table's cgroups that nothing runs in any more, and their parent."""
+        if self.base.exists():
+            for path in self.base.glob("uid-*"):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+        with contextlib.suppress(OSError):
+            self.base.rmdir()
+
     def nft_match(self, uid: int) -> str:
         """The nftables expression true for a socket of `uid`'s cgroup."""
         path = self.path(uid)

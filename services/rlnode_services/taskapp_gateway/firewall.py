@@ -283,6 +283,8 @@ class TaskAppFirewall:
             )
             await proc.wait()
             self._endpoints.clear()
+        if self.cgroups is not None:
+            await asyncio.to_thread(self.cgroups.remove_all)
 
     def cgroup(self, uid: int) -> Path | None:
         """The cgroup `uid`'s Task App runs in (None: no cgroup of its own here)."""
