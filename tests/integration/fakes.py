@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import re
+import threading
 import time
 from collections import Counter
 from typing import Any
@@ -116,3 +117,28 @@ def misbehaving_taskapps(key: str) -> FastAPI:
         }
 
     return app
+
+
+class RecordingPolicy:
+    """An OpenAI-compatible endpoint that keeps every request it answers: subclasses write
+    `chat(request)` (the user's model, scripted), calling `record` with the body first."""
+
+    def __init__(self) -> None:
+        self.url = ""  # once served
+        self.bodies: list[dict[str, Any]] = []
+        self.lock = threading.Lock()
+        self.app = FastAPI()
+        self.app.post("/v1/chat/completions")(self.chat)
+
+    def record(self, body: dict[str, Any]) -> None:
+        with self.lock:
+            self.bodies.append(body)
+
+    def take(self) -> list[dict[str, Any]]:
+        """The requests since the last `take`."""
+        with self.lock:
+            bodies, self.bodies = self.bodies, []
+        return bodies
+
+    async def chat(self, request: Request) -> Any:
+        raise NotImplementedError

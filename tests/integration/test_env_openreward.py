@@ -11,7 +11,6 @@ import os
 import re
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -19,10 +18,11 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import Request
 
 from rlnode.bus.localbroker import free_port
 from rlnode.testing import ThreadedServer, wait_until
+from tests.integration.fakes import RecordingPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV_PYTHON = ROOT / ".venvs" / "openreward" / "bin" / "python"
@@ -80,25 +80,12 @@ def stopped(process: subprocess.Popen) -> None:
         process.kill()
 
 
-class ScriptedSolver:
+class ScriptedSolver(RecordingPolicy):
     """An OpenAI-compatible endpoint whose `model` names how it answers "What is a + b?"."""
-
-    def __init__(self) -> None:
-        self.url = ""  # once served
-        self.bodies: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        self.app = FastAPI()
-        self.app.post("/v1/chat/completions")(self.chat)
-
-    def take(self) -> list[dict[str, Any]]:
-        with self.lock:
-            bodies, self.bodies = self.bodies, []
-        return bodies
 
     async def chat(self, request: Request) -> dict[str, Any]:
         body = await request.json()
-        with self.lock:
-            self.bodies.append(body)
+        self.record(body)
         messages = body["messages"]
         a, b = map(int, re.findall(r"What is (\d+) \+ (\d+)\?", messages[0]["content"])[0])
         results = [m["content"] for m in messages if m["role"] == "tool"]

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import itertools
 import re
-import threading
 import time
 from typing import Any
 
 import httpx
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import Request
 
 from rlnode.taskapp import Isolated, create_task_app
 from rlnode.testing import ThreadedServer
 from tests.environments import textarena_games
+from tests.integration.fakes import RecordingPolicy
 
 KEY = "textarena-test-key-0123456789"
 
@@ -27,25 +27,12 @@ REGISTER_COMMAND = "python -m rlnode.environments.textarena --game GuessTheNumbe
 NODE_JOB_ENV_CONFIG = {"game": "GuessTheNumber-v0", "max_turns": 3}
 
 
-class ScriptedPlayer:
+class ScriptedPlayer(RecordingPolicy):
     """An OpenAI-compatible endpoint whose `model` names how it plays."""
-
-    def __init__(self) -> None:
-        self.url = ""  # once served
-        self.bodies: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        self.app = FastAPI()
-        self.app.post("/v1/chat/completions")(self.chat)
-
-    def take(self) -> list[dict[str, Any]]:
-        with self.lock:
-            bodies, self.bodies = self.bodies, []
-        return bodies
 
     async def chat(self, request: Request) -> dict[str, Any]:
         body = await request.json()
-        with self.lock:
-            self.bodies.append(body)
+        self.record(body)
         messages = body["messages"]
         match body["model"]:
             case "binary-search":  # GuessTheNumber, from the hints so far

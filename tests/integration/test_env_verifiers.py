@@ -15,7 +15,6 @@ import os
 import re
 import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -23,11 +22,12 @@ from typing import Any
 import httpx
 import psutil
 import pytest
-from fastapi import FastAPI, Request
+from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
 from rlnode.bus.localbroker import free_port
 from rlnode.testing import ThreadedServer, wait_until
+from tests.integration.fakes import RecordingPolicy
 
 ROOT = Path(__file__).resolve().parents[2]
 ENVIRONMENTS = ROOT / "tests" / "environments"
@@ -81,22 +81,10 @@ def environment_python(version: str) -> str:
     return str(python)
 
 
-class ScriptedModel:
+class ScriptedModel(RecordingPolicy):
     """An OpenAI-compatible endpoint whose `model` names how it answers: "right" and
     "wrong" the sums in <answer> tags, "calculator" with the calculate tool, then the
     tool's result. It answers `stream: true` as SSE chunks and keeps every request."""
-
-    def __init__(self) -> None:
-        self.url = ""  # once served
-        self.bodies: list[dict[str, Any]] = []
-        self.lock = threading.Lock()
-        self.app = FastAPI()
-        self.app.post("/v1/chat/completions")(self.chat)
-
-    def take(self) -> list[dict[str, Any]]:
-        with self.lock:
-            bodies, self.bodies = self.bodies, []
-        return bodies
 
     @staticmethod
     def reply(body: dict[str, Any]) -> tuple[str, list[dict[str, Any]]]:
@@ -126,8 +114,7 @@ class ScriptedModel:
 
     async def chat(self, request: Request) -> Response:
         body = await request.json()
-        with self.lock:
-            self.bodies.append(body)
+        self.record(body)
         text, calls = self.reply(body)
         head = {"id": "chatcmpl-1", "created": int(time.time()), "model": body["model"]}
         finish = "tool_calls" if calls else "stop"
