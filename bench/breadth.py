@@ -134,6 +134,9 @@ def rlnode_job(model: Path, env: Environment, args) -> JobConfig:
     return JobConfig.model_validate(
         config.model_dump(mode="json")
         | {
+            # Room for the long ones: two worked examples of number_sorting's 60 numbers, or
+            # five turns of a TextArena game under its system prompt (256 failed them all).
+            "model": {**config.model.model_dump(mode="json"), "max_seq_len": 1024},
             "task_app": {"name": env.app, "env_config": env.env_config, "rollout_timeout_s": 120},
             "sampling": {"max_tokens": env.max_tokens, "temperature": args.temperature},
             "eval": evaluation.model_dump(),
@@ -412,6 +415,22 @@ def plot(results: dict[str, dict], path: Path) -> None:
     figure.savefig(path, dpi=100)
 
 
+def why_not(result: dict, args) -> str:
+    """What the run's own figures say about a row whose held-out accuracy did not rise."""
+    if result["accuracy_after"] > result["accuracy_before"]:
+        return ""
+    rollouts = args.steps * args.prompts * args.group
+    if result["failed_rollouts"] >= rollouts // 2:
+        return f"{result['failed_rollouts']} of {rollouts} rollouts failed"
+    rewards = [s.get("reward_mean") or 0.0 for s in result["steps"]]
+    if max(rewards, default=0.0) == 0.0:
+        return "no sample scored above 0: a group of zeros gives GRPO nothing to learn from"
+    return (
+        f"rewards {min(rewards):.2f}-{max(rewards):.2f} over {len(rewards)} steps; "
+        f"{args.eval_seeds} held-out seeds: one seed is {1 / args.eval_seeds:.3f}"
+    )
+
+
 def report(results: dict[str, dict], args) -> None:
     if args.merge and (RESULTS / "breadth.json").exists():
         # Rows of an earlier run (`--only` ran a few again): this run's replace theirs.
@@ -426,7 +445,7 @@ def report(results: dict[str, dict], args) -> None:
             rows.append(
                 f"| {name} | {system} | {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} "
                 f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {len(r['steps'])} "
-                f"| {r['seconds']:.0f} | {r['failed_rollouts']} |"
+                f"| {r['seconds']:.0f} | {r['failed_rollouts']} | {why_not(r, args)} |"
             )
     table = [
         f"{args.steps} steps of {args.prompts} prompts x {args.group} samples, learning rate "
@@ -434,8 +453,8 @@ def report(results: dict[str, dict], args) -> None:
         f"{args.eval_seeds} held-out seeds (reward 1).",
         "",
         "| environment | system | held-out accuracy before -> after | reward, first -> last "
-        "step | steps | seconds | failed rollouts |",
-        "|---|---|---|---|---|---|---|",
+        "step | steps | seconds | failed rollouts | if it did not move, why |",
+        "|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "![training reward per environment](breadth.png)",
@@ -464,7 +483,14 @@ def main() -> None:
     parser.add_argument(
         "--trl", type=lambda s: [t for t in s.split(",") if t], default="chain_sum,gcd,count_bits"
     )
+    parser.add_argument(
+        "--report", action="store_true", help="only write the .md and .png from breadth.json"
+    )
     args = parser.parse_args()
+    if args.report:  # the last run's configuration, as it was given
+        recorded = json.loads((RESULTS / "breadth.json").read_text())
+        report(recorded["runs"], argparse.Namespace(**recorded["config"]))
+        return
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         imported = import_gguf(packaged_gguf("smollm2-135m-instruct"), workdir / "models")
