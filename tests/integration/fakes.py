@@ -142,3 +142,14 @@ class RecordingPolicy:
 
     async def chat(self, request: Request) -> Any:
         raise NotImplementedError
+
+    @staticmethod
+    def completion(body: dict[str, Any], message: dict[str, Any], finish_reason: str) -> dict:
+        """A chat completion answering `body` with `message`."""
+        return {
+            "id": f"chatcmpl-{time.monotonic_ns()}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body["model"],
+            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason}],
+        }

@@ -130,19 +130,7 @@ class ScriptedSolver(RecordingPolicy):
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if tool_calls:
             message["tool_calls"] = tool_calls
-        return {
-            "id": f"chatcmpl-{time.monotonic_ns()}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body["model"],
-            "choices": [
-                {
-                    "index": 0,
-                    "message": message,
-                    "finish_reason": "tool_calls" if tool_calls else "stop",
-                }
-            ],
-        }
+        return self.completion(body, message, "tool_calls" if tool_calls else "stop")
 
 
 @pytest.fixture(scope="module")

@@ -51,19 +51,7 @@ class ScriptedPlayer(RecordingPolicy):
                 text = "I take " + re.findall(r"\[\d\]", offered)[0]
             case _:
                 text = "I would rather not play."
-        return {
-            "id": f"chatcmpl-{time.monotonic_ns()}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": body["model"],
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": "stop",
-                }
-            ],
-        }
+        return self.completion(body, {"role": "assistant", "content": text}, "stop")
 
 
 @pytest.fixture(scope="module")
