@@ -294,7 +294,7 @@ async def test_a_job_of_no_steps_evaluates_the_model_as_it_is(tiny_model, tmp_pa
     (only,) = loop.events(JobEventType.EVAL_COMPLETED)
     assert only["step"] == 0 and only["version"] == 0 and only["count"] + only["failed"] == 6
     assert not loop.events(JobEventType.TRAIN_STEP) and not loop.transport.weights
-    assert loop.runner.trainer is None  # nothing to train: no trainer loaded
+    assert loop.runner.policy is None  # nothing to train: no trainer loaded
 
 
 async def test_logging_writes_each_trackers_run_as_the_job_goes(tiny_model, tmp_path):

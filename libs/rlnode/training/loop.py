@@ -10,7 +10,6 @@ reads them."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import statistics
@@ -18,35 +17,25 @@ import time
 import uuid
 from collections import defaultdict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
 
 from rlnode.messages import (
     EventData,
     JobConfig,
     JobEvent,
     JobEventType,
-    ParityProbe,
     RolloutWork,
     Trajectory,
-    WeightVersion,
     sample_id,
 )
-from rlnode.messages.jobs import (
-    CheckpointSavedData,
-    RolloutBatchData,
-    RolloutSampleData,
-    TrainStepData,
-    WeightsPublishedData,
-)
+from rlnode.messages.jobs import RolloutBatchData, RolloutSampleData, TrainStepData
 from rlnode.models.gguf import GgufError
 from rlnode.service.registry import LEARNER
 from rlnode.service.stores import job_dir
 from rlnode.trackers.live import LiveTrackers
 from rlnode.training.breaker import Probe, TaskAppBreaker, TaskAppDown
 from rlnode.training.curriculum import Curriculum
-from rlnode.training.distributed import DataParallelError, DataParallelTrainer
+from rlnode.training.distributed import DataParallelError
 from rlnode.training.evaluation import (
     EvalRound,
     eval_message,
@@ -60,27 +49,15 @@ from rlnode.training.grpo import TIED, group_advantages, sample_batch
 from rlnode.training.losses import loss_class
 from rlnode.training.losses.dapo import overlong_shaped
 from rlnode.training.model_source import with_imported_model
+from rlnode.training.policy import JobCancelled, JobFailed, Policy
 from rlnode.training.rank_hosts import RankHub
 from rlnode.training.samples import describe, pick, task_metrics
-from rlnode.training.storage import (
-    StoreWriteFailed,
-    free_bytes,
-    remove_temporaries,
-    write_waiting_for_room,
-)
-from rlnode.training.trainer import WEIGHT_DTYPES, TrainerConfig
+from rlnode.training.storage import remove_temporaries
+from rlnode.training.trainer import TrainerConfig
 from rlnode.training.transport import JobTransport
 
+__all__ = ["JobCancelled", "JobFailed", "JobRunner", "trained_work_ids", "work_id"]
 log = logging.getLogger("rlnode.training.loop")
-T = TypeVar("T")
-
-
-class JobCancelled(Exception):
-    pass
-
-
-class JobFailed(Exception):
-    pass
 
 
 def prompt_index(trajectory: Trajectory) -> int:
@@ -147,9 +124,6 @@ class JobRunner:
         self.disk_full_wait_s = disk_full_wait_s
         self.samples_per_work = samples_per_work
         self.model_store = model_store
-        # Why the job waits for room in a store, while it does (None: it does not).
-        self.waiting_for_room: str | None = None
-        self.weights_dir = self.root / "weights"
         self.step_timeout_s = step_timeout_s
         self.on_progress = on_progress
         self.source = source
@@ -165,17 +139,8 @@ class JobRunner:
         self.checkpointed_step = -1  # steps < this + 1 are settled
         self.cancelled = asyncio.Event()
         self.cancel_reason = "cancelled by request"
-        self.trainer: DataParallelTrainer | None = None
-        # The trainer's work runs on one thread of the job's own. glibc gives each thread
-        # that allocates a heap (arena) of its own and keeps what is freed there: steps run
-        # on whichever pool thread was free grew the learner by a step's activations per
-        # thread (SmolLM2-135M: 4.4 GiB on one thread; 8 GiB after 4 steps on fresh threads,
-        # and an in-process job killed for memory at 24 GiB after 8 steps).
-        self._trainer_thread = ThreadPoolExecutor(1, thread_name_prefix=f"trainer-{job_id}")
-        # The newest weight version published. Monotonic across restarts (a resumed learner
-        # publishes its checkpoint's weights under a new number), so generators that loaded
-        # weights from after the checkpoint roll back to it.
-        self.version = 0
+        # The trainer, weight versions and checkpoints (made once the model is known).
+        self.policy: Policy | None = None
         self.breaker = (
             TaskAppBreaker(t.breaker, config.task_app.name, probe) if probe is not None else None
         )
@@ -189,6 +154,21 @@ class JobRunner:
         # The job's [logging]: its events into trackers under its directory, as they happen.
         self.trackers: LiveTrackers | None = None
         self.curriculum = Curriculum(config.task_app.curriculum)
+
+    @property
+    def version(self) -> int:
+        """The newest weight version published (0: the model as it was loaded)."""
+        return self.policy.version if self.policy is not None else 0
+
+    @property
+    def waiting_for_room(self) -> str | None:
+        """Why the job waits for room in a store, while it does (None: it does not)."""
+        return self.policy.waiting_for_room if self.policy is not None else None
+
+    @property
+    def _policy(self) -> Policy:
+        assert self.policy is not None, "the job's policy is made when it starts training"
+        return self.policy
 
     # -- trajectories in ------------------------------------------------------------------
 
@@ -235,43 +215,49 @@ class JobRunner:
         if t.steps == 0:
             await self._evaluate_only()
             return
+        self.policy = self._make_policy()
         try:
-            self.trainer = await self._start_trainer()
-        except DataParallelError as e:  # a rank host missing, or unable to load the model
-            raise JobFailed(f"the training ranks could not start: {e}") from None
-        except ValueError as e:  # the config does not fit the model (e.g. LoRA targets)
-            raise JobFailed(f"the model cannot be trained as configured: {e}") from None
-        try:
+            try:
+                await self.policy.start()
+            except DataParallelError as e:  # a rank host missing, or unable to load the model
+                raise JobFailed(f"the training ranks could not start: {e}") from None
+            except ValueError as e:  # the config does not fit the model (e.g. LoRA targets)
+                raise JobFailed(f"the model cannot be trained as configured: {e}") from None
             await self._run()
         except DataParallelError as e:  # a rank exited or stopped answering
             raise JobFailed(f"training stopped at step {self.step}: {e}") from None
         finally:
-            await self._on_trainer_thread(self.trainer.close)
-            self._trainer_thread.shutdown(wait=False)
-            await asyncio.to_thread(self._discard_shared_weights)
+            await self.policy.close()
 
-    async def _start_trainer(self) -> DataParallelTrainer:
+    def _make_policy(self) -> Policy:
         t = self.config.training
-        return await self._on_trainer_thread(
-            DataParallelTrainer,
+        return Policy(
+            self.job_id,
+            self.org_id,
+            self.root,
             self.config.model.source,
             TrainerConfig.for_job(self.config),
             self.devices,
+            publish_weights=self.transport.publish_weights,
+            event=self._event,
+            cancelled=self.cancelled,
+            # Generators may still be loading the last few versions (up to max_async behind).
+            kept_versions=t.max_async + 2,
+            adapter=t.lora,
             reference_on_trainer=t.kl_coef > 0
             and self.config.topology.reference in ("trainer", "dedicated"),
             reference_device=self.reference_device
             if self.config.topology.reference == "dedicated"
             else None,
             rank_hosts=self.rank_hosts,
+            weights_root=self.weights_root,
+            weights_dtype=self.weights_dtype,
+            max_checkpoint_bytes=self.max_checkpoint_bytes,
+            disk_full_wait_s=self.disk_full_wait_s,
         )
-
-    async def _on_trainer_thread(self, function: Callable[..., T], *args: Any, **kw: Any) -> T:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._trainer_thread, lambda: function(*args, **kw))
 
     async def _run(self) -> None:
         t = self.config.training
-        self.weights_dir = await asyncio.to_thread(self._choose_weights_dir)
         resumed = await self._resume()
         await self._event(
             JobEventType.STARTED,
@@ -280,7 +266,6 @@ class JobRunner:
             + self._tracked_where(),
         )
         if resumed:
-            self.version = max([self.version, *self._published_versions()])
             await self._publish_weights()
         # The starting model (eval.at_start), or a round a restart cut short.
         await self._start_eval(self.step)
@@ -536,7 +521,7 @@ class JobRunner:
             arrive.cancel()
 
     async def _train(self, step: int, trajectories: list[Trajectory], wait_s: float) -> None:
-        assert self.trainer is not None
+        trainer = self._policy.started
         ok = [t for t in trajectories if t.status == "ok"]
         rewards = [t.reward for t in ok if t.reward is not None]
         reward_mean = statistics.fmean(rewards) if rewards else None
@@ -562,8 +547,8 @@ class JobRunner:
         samples = [s for s in batch.samples if s.advantage != 0.0]
         started = time.perf_counter()
         # Data parallel needs a sample per rank; a batch with fewer to learn from is skipped.
-        if len(samples) >= self.trainer.world:
-            metrics = await self._on_trainer_thread(self.trainer.step, samples)
+        if len(samples) >= trainer.world:
+            metrics = await self._policy.on_trainer_thread(trainer.step, samples)
             loss, kl, clip, tokens = metrics.loss, metrics.kl, metrics.clip_fraction, metrics.tokens
             mismatch_kl = metrics.mismatch_kl
         else:  # every group tied: nothing to learn from this batch, but the step counts
@@ -595,7 +580,7 @@ class JobRunner:
                 compute_s=compute_s,
                 generation_s=max((t.duration_s for t in trajectories), default=0.0),
                 trained_samples=len(samples),
-                world_size=self.trainer.world,
+                world_size=trainer.world,
                 failed_rollouts=len(trajectories) - len(ok),
                 merged_trajectories=batch.merged_trajectories,
                 per_turn_trajectories=batch.per_turn_trajectories,
@@ -610,8 +595,7 @@ class JobRunner:
         chosen = pick(trajectories, self.config.training.rollout_samples)
         if not chosen:
             return
-        assert self.trainer is not None
-        tokenizer = self.trainer.tokenizer
+        tokenizer = self._policy.started.tokenizer
         samples = [describe(x, tokenizer) for x in chosen]
         await self._event(
             JobEventType.ROLLOUT_SAMPLE,
@@ -640,110 +624,17 @@ class JobRunner:
 
     # -- weights and checkpoints ------------------------------------------------------------
 
-    def _weights_path(self, version: int) -> Path:
-        return self.weights_dir / f"v{version:06d}.safetensors"
-
-    def _published_versions(self) -> list[int]:
-        if not self.weights_dir.exists():
-            return []
-        return [int(p.stem.removeprefix("v")) for p in self.weights_dir.glob("v*.safetensors")]
-
-    def _choose_weights_dir(self) -> Path:
-        """Weight versions are read once by each generator soon after they are written: on
-        one node they belong in memory (the weights store, /dev/shm by default) when it holds
-        the versions kept with room to spare; checkpoints stay on disk."""
-        if self.weights_root is None:
-            return self.root / "weights"
-        assert self.trainer is not None
-        size = self.trainer.published_parameters() * WEIGHT_DTYPES[self.weights_dtype].itemsize
-        if free_bytes(self.weights_root) > 2 * self._kept() * size:
-            return job_dir(self.weights_root, self.org_id, self.job_id)
-        return self.root / "weights"
-
-    def _kept(self) -> int:
-        # Generators may still be loading the last few versions (up to max_async behind).
-        return self.config.training.max_async + 2
-
-    def _discard_shared_weights(self) -> None:
-        """The job's weight versions in the weights store (memory: /dev/shm) go when its run
-        ends, however it ends: they are working copies (checkpoints hold what lasts), and a
-        node that kept every job's last versions filled its memory with them. A run that
-        resumes publishes its weights again."""
-        if self.weights_root is None:
-            return
-        shared = job_dir(self.weights_root, self.org_id, self.job_id)
-        if self.weights_dir == shared and shared.is_dir():
-            for version in shared.glob("v*.safetensors*"):
-                version.unlink(missing_ok=True)
-            with contextlib.suppress(OSError):  # something else put there stays
-                shared.rmdir()
-
-    def _prune_weights(self) -> None:
-        for version in sorted(self._published_versions())[: -self._kept()]:
-            self._weights_path(version).unlink(missing_ok=True)
-
     async def _publish_weights(self) -> None:
-        assert self.trainer is not None
         # A running evaluation round samples the newest weights: they stay until it is in.
         await self._finish_evals()
-        version = self.version + 1
-        path = self._weights_path(version)
-        trainer = self.trainer
-        started = time.perf_counter()
-        digest, size = await self._write(
-            f"weights v{version:06d}", path, lambda: trainer.save_weights(path, self.weights_dtype)
-        )
-        probe_ids = self._probe_ids()
-        probe = ParityProbe(
-            token_ids=probe_ids,
-            logprobs=await self._on_trainer_thread(self.trainer.score, probe_ids),
-        )
-        write_s = time.perf_counter() - started
-        await self.transport.publish_weights(
-            WeightVersion(
-                job_id=self.job_id,
-                org_id=self.org_id,
-                version=version,
-                step=self.step,
-                uri=path.as_uri(),
-                blake3=digest,
-                size_bytes=size,
-                dtype=self.weights_dtype,
-                probe=probe,
-                adapter=self.config.training.lora,
-            )
-        )
-        self.version = version
-        await asyncio.to_thread(self._prune_weights)
-        await self._event(
-            JobEventType.WEIGHTS_PUBLISHED,
-            f"weights v{version} after step {self.step}",
-            WeightsPublishedData(
-                version=version,
-                step=self.step,
-                uri=path.as_uri(),
-                blake3=digest,
-                size_bytes=size,
-                write_s=write_s,
-            ),
-        )
-
-    def _probe_ids(self) -> list[int]:
-        assert self.trainer is not None
-        ids = self.trainer.tokenizer("The parity probe: 0123456789 abcdefghij")["input_ids"]
-        return list(ids[:32]) if len(ids) >= 2 else [0, 1]
+        await self._policy.publish_weights(self.step)
 
     async def _checkpoint(self, final: bool, after_evals: bool = True) -> None:
         """`after_evals`: first wait for the running evaluation rounds, so that the
         trajectories this checkpoint settles include theirs only once they are recorded."""
-        assert self.trainer is not None
         if after_evals:
             await self._finish_evals()
-        path = self.root / "checkpoints" / f"step-{self.step:06d}"
         state = {
-            "job_id": self.job_id,
-            "step": self.step,
-            "version": self.version,
             "sampler_position": self.step * self.config.training.prompts_per_step,
             # The steps since the previous checkpoint; the chain of checkpoints holds all.
             "trained_work_ids": sorted(self.trained),
@@ -753,72 +644,25 @@ class JobRunner:
             "job_config": self.config.model_dump(mode="json"),
             **self.curriculum.state(),
         }
-        trainer = self.trainer
-        await self._write(
-            f"checkpoint {path.name}", path, lambda: trainer.save_checkpoint(path, state)
-        )
-        if self.max_checkpoint_bytes is not None:
-            used = await asyncio.to_thread(_bytes_under, self.root / "checkpoints")
-            if used > self.max_checkpoint_bytes:
-                raise RuntimeError(
-                    f"the job's checkpoints hold {used / 2**30:.2f} GiB, over this node's "
-                    f"{self.max_checkpoint_bytes / 2**30:.2f} GiB per job "
-                    "(LEARNER_MAX_CHECKPOINT_BYTES)"
-                )
+        await self._policy.save_checkpoint(f"step-{self.step:06d}", self.step, state, final)
         self.checkpointed_step = self.step - 1
         self.trained.clear()
-        await self._event(
-            JobEventType.CHECKPOINT_SAVED,
-            f"checkpoint at step {self.step}",
-            CheckpointSavedData(step=self.step, uri=path.as_uri(), final=final),
-        )
-
-    async def _write(self, what: str, path: Path, write: Callable[[], T]) -> T:
-        """A checkpoint or weights write, paused while its store is full; one that cannot
-        be done ends the job saying why (see rlnode.training.storage)."""
-        try:
-            return await write_waiting_for_room(
-                write, what, path, self.disk_full_wait_s, self.cancelled, self._wait_for_room
-            )
-        except StoreWriteFailed as e:
-            if self.cancelled.is_set():
-                raise JobCancelled from e
-            kept = self.root / "checkpoints" / f"step-{self.checkpointed_step + 1:06d}"
-            if self.checkpointed_step < 0:
-                raise JobFailed(f"{e}; the job has no checkpoint yet") from None
-            raise JobFailed(
-                f"{e}; its last checkpoint, {kept}, is whole: a new job can start from it "
-                "(model.source)"
-            ) from None
-
-    def _wait_for_room(self, why: str | None) -> None:
-        self.waiting_for_room = why
 
     async def _resume(self) -> bool:
         # What writes cut short by a crash left (no reader takes it; see training.storage).
-        stores = {self.root / "checkpoints", self.root / "weights", self.weights_dir}
-        for directory in {*stores, evals_dir(self.root)}:
-            if removed := await asyncio.to_thread(remove_temporaries, directory):
-                log.warning("job %s: removed unfinished writes %s", self.job_id, removed)
-        checkpoints = (
-            sorted((self.root / "checkpoints").glob("step-*"))
-            if (self.root / "checkpoints").exists()
-            else []
-        )
+        if removed := await asyncio.to_thread(remove_temporaries, evals_dir(self.root)):
+            log.warning("job %s: removed unfinished writes %s", self.job_id, removed)
+        state = await self._policy.resume()
         self.evaluated = await asyncio.to_thread(recorded_rounds, self.root)
-        if not checkpoints:
+        if state is None:
             return False
-        assert self.trainer is not None
-        state = await self._on_trainer_thread(self.trainer.load_checkpoint, checkpoints[-1])
         self.step = state["step"]
-        self.version = state["version"]
         self.curriculum.restore(state)
         self.trained = set()
         self.checkpointed_step = self.step - 1
         for step in list(self.buffer):
             if step < self.step:
                 del self.buffer[step]
-        log.info("job %s resumes from %s (step %d)", self.job_id, checkpoints[-1].name, self.step)
         return True
 
     async def _event(self, kind: JobEventType, message: str, data: EventData | None = None) -> None:
@@ -860,7 +704,3 @@ def trained_work_ids(checkpoints: Path) -> list[str]:
             raise ValueError(f"the checkpoint of step {step} names {previous} as the one before")
         step = previous
     return [work for ids in reversed(chain) for work in ids]
-
-
-def _bytes_under(directory: Path) -> int:
-    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file())
