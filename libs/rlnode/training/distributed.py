@@ -30,8 +30,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from rlnode.training.grpo import Sample
+from rlnode.training.losses.tinker import TokenLoss
 from rlnode.training.rank_hosts import DataParallelError, RankHub, RemoteRanks, backend_for
-from rlnode.training.trainer import StepMetrics, Trainer, TrainerConfig
+from rlnode.training.trainer import StepMetrics, TokenDatum, TokenPass, Trainer, TrainerConfig
 
 __all__ = ["COLLECTIVE_TIMEOUT", "DataParallelError", "DataParallelTrainer"]
 
@@ -276,6 +277,16 @@ class DataParallelTrainer:
             )
         metrics: StepMetrics = self._run("step", samples)
         return metrics
+
+    def forward_backward(
+        self, datums: list[TokenDatum], loss: TokenLoss, backward: bool = True
+    ) -> TokenPass:
+        result: TokenPass = self._run("forward_backward", datums, loss, backward)
+        return result
+
+    def optim_step(self, *params: float) -> float:
+        norm: float = self._run("optim_step", *params)
+        return norm
 
     def score(self, token_ids: list[int]) -> list[float]:
         scores: list[float] = self._run("score", token_ids)

@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -40,6 +40,7 @@ from rlnode.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX, peft_con
 from rlnode.models.safetensors_io import TensorSpec, write_safetensors
 from rlnode.training.grpo import Sample, trained_tokens
 from rlnode.training.losses import LossInputs, LossSettings, loss_settings, make_loss
+from rlnode.training.losses.tinker import TokenLoss
 from rlnode.training.storage import temporary_sibling
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -182,15 +183,16 @@ class CompletionLogprobs(torch.nn.Module):
         rows: torch.Tensor,
         positions: torch.Tensor,
         temperature: float,
+        targets: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The logprob of token `input_ids[r, p + 1]` after `input_ids[r, : p + 1]`, for each
-        (r, p) in zip(rows, positions)."""
+        """The logprob of token `input_ids[r, p + 1]` (or `targets[i]`) after
+        `input_ids[r, : p + 1]`, for each (r, p) in zip(rows, positions)."""
         hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask)
         chosen = hidden.last_hidden_state[rows, positions]
         weight = self.lm.get_output_embeddings().weight
-        return token_logprobs(
-            chosen, weight, input_ids[rows, positions + 1], temperature, self.chunk_tokens
-        )
+        if targets is None:
+            targets = input_ids[rows, positions + 1]
+        return token_logprobs(chosen, weight, targets, temperature, self.chunk_tokens)
 
 
 def completion_logprobs(
@@ -236,6 +238,37 @@ def completion_logprobs(
     return out, mask.to(device)
 
 
+def datum_logprobs(
+    model: torch.nn.Module, batch: list[TokenDatum], device: str, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs (temperature 1) of each datum's target at every position, right-padded into
+    [rows, longest datum], and the mask of real positions."""
+    width = max(d.tokens for d in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width))
+    rows: list[int] = []
+    positions: list[int] = []
+    targets: list[int] = []
+    for row, d in enumerate(batch):
+        input_ids[row, : d.tokens] = torch.tensor(d.input_ids)
+        mask[row, : d.tokens] = 1.0
+        rows.extend([row] * d.tokens)
+        positions.extend(range(d.tokens))
+        targets.extend(d.targets)
+    index_rows, index_positions = torch.tensor(rows), torch.tensor(positions)
+    flat = model(
+        input_ids.to(device),
+        mask.to(device, dtype=torch.long),
+        index_rows.to(device),
+        index_positions.to(device),
+        1.0,
+        torch.tensor(targets, device=device),
+    )
+    out = torch.zeros((len(batch), width), device=device, dtype=flat.dtype)
+    out = out.index_put((index_rows.to(device), index_positions.to(device)), flat)
+    return out, mask.to(device)
+
+
 def _padded(rows: list[list[float]], width: int, device: str) -> torch.Tensor:
     out = torch.zeros((len(rows), width), device=device)
     for i, r in enumerate(rows):
@@ -257,10 +290,42 @@ def minibatch_parts(
     return [shuffled[i::count] for i in range(count)]
 
 
-def micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]]:
+class _Row(Protocol):
+    @property
+    def tokens(self) -> int: ...
+
+
+Row = TypeVar("Row", bound=_Row)
+
+
+@dataclass
+class TokenDatum:
+    """A Tinker Datum as the trainer takes it: the model's input tokens, the token to score
+    at each position (`targets`), and the loss's other inputs, one value per position."""
+
+    input_ids: list[int]
+    targets: list[int]
+    inputs: dict[str, list[float]]
+
+    @property
+    def tokens(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class TokenPass:
+    """What a forward(-backward) pass over datums gives back: each datum's logprobs of its
+    targets, and the loss summed over all of them."""
+
+    logprobs: list[list[float]]
+    loss_sum: float
+    tokens: int
+
+
+def micro_batches(samples: list[Row], token_budget: int) -> list[list[Row]]:
     """Pack samples (longest first) so that rows x longest row stays within the budget."""
     ordered = sorted(samples, key=lambda s: s.tokens, reverse=True)
-    batches: list[list[Sample]] = []
+    batches: list[list[Row]] = []
     for s in ordered:
         if batches and (len(batches[-1]) + 1) * batches[-1][0].tokens <= token_budget:
             batches[-1].append(s)
@@ -269,7 +334,7 @@ def micro_batches(samples: list[Sample], token_budget: int) -> list[list[Sample]
     return batches
 
 
-def equal_micro_batches(samples: list[Sample], token_budget: int, count: int) -> list[list[Sample]]:
+def equal_micro_batches(samples: list[Row], token_budget: int, count: int) -> list[list[Row]]:
     """`micro_batches`, then split further (largest first) to exactly `count` batches: every
     rank of a sharded model must run the same number of forward and backward passes (each
     gathers parameters from all ranks). A rank with fewer samples than `count` gets empty
@@ -475,6 +540,77 @@ class Trainer:
             compute_s=time.perf_counter() - started,
             mismatch_kl=mismatch / total_tokens if total_tokens else None,
         )
+
+    # -- the Tinker API's steps: passes that add to the gradients, then an optimizer step ----
+
+    def forward_backward(
+        self, datums: list[TokenDatum], loss: TokenLoss, backward: bool = True
+    ) -> TokenPass:
+        """The loss of `datums` (every rank passes the same list; each computes its share),
+        summed, and with `backward` its gradients added to those already accumulated: the
+        next `optim_step` applies them all. Returns every datum's logprobs of its targets."""
+        if not datums:
+            raise ValueError("a forward pass needs at least one datum")
+        order = list(range(len(datums)))[self.rank :: self.world]
+        mine = [datums[i] for i in order]
+        batches = micro_batches(mine, self.config.tokens_per_micro_batch)
+        if self.world > 1:  # every rank runs as many passes (each gathers the shards)
+            (most,) = _all_reduce([float(len(batches))], self.device, ("max",))
+            batches = equal_micro_batches(mine, self.config.tokens_per_micro_batch, int(most))
+        logprobs: dict[int, list[float]] = {}
+        loss_sum = 0.0
+        position = {id(d): i for i, d in zip(order, mine, strict=True)}
+        for batch in batches:
+            weight = 1.0
+            if not batch:  # this rank's share ran out: the same passes, contributing nothing
+                batch, weight = mine[:1] or datums[:1], 0.0
+            with torch.set_grad_enabled(backward), self._autocast():
+                lp, mask = datum_logprobs(self.policy, batch, self.device, self.pad_id)
+                width = lp.shape[1]
+                inputs = {
+                    key: _padded([d.inputs[key] for d in batch], width, self.device)
+                    for key in batch[0].inputs
+                }
+                total = (loss.per_token(lp.float(), inputs) * mask).sum() * weight
+                if backward:
+                    # Gradients are averaged over ranks; x world turns that into a global sum.
+                    (total * self.world).backward()
+            loss_sum += float(total.detach())
+            if weight:
+                for row, d in enumerate(batch):
+                    logprobs[position[id(d)]] = lp[row, : d.tokens].detach().float().tolist()
+        (loss_sum,) = _all_reduce([loss_sum], self.device)
+        if self.world > 1:
+            shares: list[Any] = [None] * self.world
+            dist.all_gather_object(shares, logprobs)
+            for share in shares:
+                logprobs.update(share)
+        return TokenPass(
+            logprobs=[logprobs[i] for i in range(len(datums))],
+            loss_sum=loss_sum,
+            tokens=sum(d.tokens for d in datums),
+        )
+
+    def optim_step(
+        self,
+        learning_rate: float,
+        beta1: float = 0.9,
+        beta2: float = 0.95,
+        eps: float = 1e-12,
+        weight_decay: float = 0.0,
+        grad_clip_norm: float = 0.0,
+    ) -> float:
+        """One AdamW step on the gradients accumulated since the last (decoupled weight
+        decay; the global gradient norm clipped to `grad_clip_norm` when it is > 0), with
+        this step's hyperparameters. Returns the gradient norm before clipping."""
+        for group in self.optimizer.param_groups:
+            group.update(lr=learning_rate, betas=(beta1, beta2), eps=eps, weight_decay=weight_decay)
+        limit = grad_clip_norm if grad_clip_norm > 0 else float("inf")
+        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), limit)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
     def _reference_logprobs(self, batch: list[Sample], width: int) -> torch.Tensor | None:
         carried = [s.ref_logprobs for s in batch if s.ref_logprobs is not None]
