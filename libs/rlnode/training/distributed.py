@@ -300,8 +300,8 @@ class DataParallelTrainer:
         saved: Path = self._run("save_checkpoint", directory, state)
         return saved
 
-    def load_checkpoint(self, directory: Path) -> dict[str, Any]:
-        loaded: dict[str, Any] = self._run("load_checkpoint", directory)
+    def load_checkpoint(self, directory: Path, with_optimizer: bool = True) -> dict[str, Any]:
+        loaded: dict[str, Any] = self._run("load_checkpoint", directory, with_optimizer)
         return loaded
 
     def close(self) -> None:

@@ -178,11 +178,19 @@ class Policy:
         for version in sorted(self.published_versions())[: -self.kept_versions]:
             self.weights_path(version).unlink(missing_ok=True)
 
-    async def publish_weights(self, step: int) -> WeightVersion:
-        """Write the next weight version, tell the generators, and report it."""
+    async def publish_weights(self, step: int, keep_as: str | None = None) -> WeightVersion:
+        """Write the next weight version, tell the generators, and report it. `keep_as`:
+        a name to keep it under for good, beside the checkpoints (else it is a working copy,
+        pruned once `kept_versions` newer ones exist)."""
         trainer = self.started
         version = self.version + 1
-        path = self.weights_path(version)
+        path = (
+            self.root / "sampler" / f"{keep_as}.safetensors"
+            if keep_as is not None
+            else self.weights_path(version)
+        )
+        if keep_as is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
         started = asyncio.get_running_loop().time()
         digest, size = await self._write(
             f"weights v{version:06d}", path, lambda: trainer.save_weights(path, self.weights_dtype)
@@ -252,9 +260,10 @@ class Policy:
         )
         return path
 
-    async def load_checkpoint(self, path: Path) -> dict[str, Any]:
-        """Restore the trainer (model and optimizer) from `path`; returns its saved state."""
-        state = await self.on_trainer_thread(self.started.load_checkpoint, path)
+    async def load_checkpoint(self, path: Path, with_optimizer: bool = True) -> dict[str, Any]:
+        """Restore the trainer from `path` (the model, and the optimizer's state unless not
+        `with_optimizer`, which starts it afresh); returns the checkpoint's saved state."""
+        state = await self.on_trainer_thread(self.started.load_checkpoint, path, with_optimizer)
         self.version = max([self.version, state.get("version", 0), *self.published_versions()])
         return state
 

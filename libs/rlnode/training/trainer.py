@@ -758,9 +758,10 @@ class Trainer:
         _fsync_dir(directory.parent)
         return directory
 
-    def load_checkpoint(self, directory: Path) -> dict[str, Any]:
+    def load_checkpoint(self, directory: Path, with_optimizer: bool = True) -> dict[str, Any]:
         """Restore model, optimizer and step from a checkpoint; returns its saved state.
-        Rank 0 reads the files and the ranks take their shards from it."""
+        Rank 0 reads the files and the ranks take their shards from it. Without
+        `with_optimizer`, the weights alone: the optimizer starts afresh, the step stays."""
         from safetensors.torch import load_file
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
@@ -786,15 +787,19 @@ class Trainer:
                 model_state.update(load_file(str(file)))
             if TIED_OUTPUT not in model_state and self.model.config.tie_word_embeddings:
                 model_state[TIED_OUTPUT] = model_state[TIED_INPUT]
-        if self.rank == 0 or not sharded:
+        if with_optimizer and (self.rank == 0 or not sharded):
             optimizer_state = torch.load(
                 directory / "optimizer.pt", map_location="cpu", weights_only=True
             )
         if self.adapted is None:
             set_model_state_dict(self.model, model_state, options=options)
-        set_optimizer_state_dict(self.policy, self.optimizer, optimizer_state, options=options)
         state = json.loads((directory / "trainer_state.json").read_text())
-        self.steps = state["steps"]
+        if with_optimizer:
+            set_optimizer_state_dict(self.policy, self.optimizer, optimizer_state, options=options)
+            self.steps = state["steps"]
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.optimizer.state.clear()
         return state
 
 
