@@ -11,6 +11,7 @@ rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
 rlnode vault master-key       print a new master key for the credential-vault
 rlnode org create ORG         create an org (admin token)
 rlnode token create NAME      issue an org token (org admin), or --service NAME (admin)
+rlnode tinker key             issue a Tinker API key (TINKER_API_KEY) for the tinker SDK
 rlnode secrets set NAME       seal a value locally and upload the ciphertext
 rlnode secrets list | rm NAME
 rlnode taskapp register|list|verify|logs|rm

@@ -1,4 +1,4 @@
-"""`rlnode vault|org|token|secrets`: the credential-vault from the command line.
+"""`rlnode vault|org|token|tinker|secrets`: the credential-vault from the command line.
 
 The vault is RLNODE_VAULT_URL (default the local node's); the caller's token is
 RLNODE_TOKEN, or for admin commands RLNODE_ADMIN_TOKEN. Tokens are printed once, to stdout.
@@ -16,8 +16,8 @@ from nacl.utils import random as random_bytes
 
 from rlnode.sdk import local_node
 from rlnode.sdk.vault import VaultClient, VaultError
-from rlnode.service.auth import ORG_SCOPES, SERVICE_SCOPES
-from rlnode.service.registry import VAULT
+from rlnode.service.auth import ORG_SCOPES, SERVICE_SCOPES, TINKER_KEY_PREFIX, Scope
+from rlnode.service.registry import TINKER_API, VAULT
 
 
 def _vault(args: argparse.Namespace, *, admin: bool = False) -> VaultClient:
@@ -66,6 +66,21 @@ def _token_create(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     print(issued["token"])
+    return 0
+
+
+def _tinker_key(args: argparse.Namespace) -> int:
+    """An org token that may train and sample through the Tinker API, with the `tml-` prefix
+    the tinker SDK requires of a key (the tinker-api takes it off and checks the token)."""
+    with _vault(args) as vault:
+        issued = vault.create_token(args.name, [Scope.TINKER.value], args.ttl_s, args.org)
+    print(
+        f"issued Tinker API key {issued['token_id']} for org {issued['org_id']}; expires "
+        f"{issued['expires_at']}; shown once (export it as TINKER_API_KEY, with "
+        f"TINKER_BASE_URL={local_node.discovered_url(TINKER_API) or TINKER_API.default_url}):",
+        file=sys.stderr,
+    )
+    print(TINKER_KEY_PREFIX + issued["token"])
     return 0
 
 
@@ -159,6 +174,15 @@ def register(commands: argparse._SubParsersAction) -> None:
     )
     tcreate.add_argument("--ttl-s", type=int, default=None, help="lifetime in seconds")
     tcreate.set_defaults(run=_token_create)
+
+    tinker = commands.add_parser("tinker", help="the Tinker API (the tinker SDK's server)")
+    tinker_sub = tinker.add_subparsers(dest="tinker_command", required=True, metavar="ACTION")
+    tkey = tinker_sub.add_parser(
+        "key", parents=[common], help="issue a Tinker API key (TINKER_API_KEY); prints it once"
+    )
+    tkey.add_argument("--name", default="tinker", help="a label for the key")
+    tkey.add_argument("--ttl-s", type=int, default=None, help="lifetime in seconds")
+    tkey.set_defaults(run=_tinker_key)
 
     secrets = commands.add_parser("secrets", help="sealed secrets of your org")
     secrets_sub = secrets.add_subparsers(dest="secrets_command", required=True, metavar="ACTION")

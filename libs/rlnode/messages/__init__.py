@@ -30,11 +30,22 @@ from rlnode.messages.rollouts import (
     Trajectory,
     sample_id,
 )
+from rlnode.messages.tinker import TinkerCall, TinkerResult
 from rlnode.messages.weights import ParityProbe, WeightVersion
 
 # Every top-level payload type, by its `schema` tag.
 PAYLOAD_TYPES: dict[str, type[Stamped]] = {
-    m.SCHEMA: m for m in (JobRequest, JobEvent, RolloutWork, Trajectory, WeightVersion, DeadLetter)
+    m.SCHEMA: m
+    for m in (
+        JobRequest,
+        JobEvent,
+        RolloutWork,
+        Trajectory,
+        WeightVersion,
+        DeadLetter,
+        TinkerCall,
+        TinkerResult,
+    )
 }
 
 __all__ = [
@@ -63,6 +74,8 @@ __all__ = [
     "Stamped",
     "StrictModel",
     "TaskAppSpec",
+    "TinkerCall",
+    "TinkerResult",
     "TokenTurn",
     "TopologySpec",
     "TrainingSpec",

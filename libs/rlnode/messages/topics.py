@@ -15,6 +15,10 @@ ROLLOUT_WORK: Final = "rlnode.rollout-work"
 TRAJECTORIES: Final = "rlnode.trajectories"
 WEIGHT_VERSIONS: Final = "rlnode.weight-versions"
 DEAD_LETTERS: Final = "rlnode.dead-letters"
+# Tinker API runs: calls keyed by run (their per-key order is the API's per-model order),
+# and their results.
+TINKER_CALLS: Final = "rlnode.tinker-calls"
+TINKER_RESULTS: Final = "rlnode.tinker-results"
 
 ALL_TOPICS: Final[tuple[str, ...]] = (
     JOB_REQUESTS,
@@ -23,6 +27,8 @@ ALL_TOPICS: Final[tuple[str, ...]] = (
     TRAJECTORIES,
     WEIGHT_VERSIONS,
     DEAD_LETTERS,
+    TINKER_CALLS,
+    TINKER_RESULTS,
 )
 
 # Who may produce what (docs/security.md). Services sign what they publish with a key the
@@ -32,13 +38,16 @@ ALL_TOPICS: Final[tuple[str, ...]] = (
 LEARNER: Final = registry.LEARNER.name
 GENERATOR: Final = registry.GENERATOR.name
 CHECKPOINT_SERVER: Final = registry.CHECKPOINT_SERVER.name
+TINKER_API: Final = registry.TINKER_API.name
 UNSIGNED_TOPICS: Final = frozenset({JOB_REQUESTS})
 PRODUCERS: Final[dict[str, frozenset[str]]] = {
     ROLLOUT_WORK: frozenset({LEARNER}),
     TRAJECTORIES: frozenset({GENERATOR}),
     WEIGHT_VERSIONS: frozenset({LEARNER}),
     JOB_EVENTS: frozenset({LEARNER, GENERATOR, CHECKPOINT_SERVER}),
-    DEAD_LETTERS: frozenset({LEARNER, GENERATOR, CHECKPOINT_SERVER}),
+    DEAD_LETTERS: frozenset({LEARNER, GENERATOR, CHECKPOINT_SERVER, TINKER_API}),
+    TINKER_CALLS: frozenset({TINKER_API}),
+    TINKER_RESULTS: frozenset({LEARNER}),
 }
 # Event types a service other than the learner (which produces every type) may publish:
 # what it reports itself, and job.failed when a record of the job was unusable to it.
@@ -63,6 +72,7 @@ def may_produce(service: str, topic: str, payload: object) -> bool:
 # The consumer groups of docs/architecture.md §2.
 LEARNER_GROUP: Final = "learner"
 LEARNER_TRAJECTORIES_GROUP: Final = "learner-trajectories"
+LEARNER_TINKER_GROUP: Final = "learner-tinker"
 ROLLOUT_GENERATOR_GROUP: Final = "rollout-generator"
 CHECKPOINT_SERVER_GROUP: Final = registry.CHECKPOINT_SERVER.name
 
@@ -70,12 +80,14 @@ CHECKPOINT_SERVER_GROUP: Final = registry.CHECKPOINT_SERVER.name
 # requests), every Kafka permission a service needs: production compose's ACLs are made
 # from these (rlnode.node.compose.kafka_acl_script), one Kafka user per service.
 READERS: Final[dict[str, frozenset[str]]] = {
-    LEARNER: frozenset({JOB_REQUESTS, TRAJECTORIES}),
+    LEARNER: frozenset({JOB_REQUESTS, TRAJECTORIES, TINKER_CALLS}),
     GENERATOR: frozenset({ROLLOUT_WORK, WEIGHT_VERSIONS, JOB_EVENTS}),
     CHECKPOINT_SERVER: frozenset({JOB_EVENTS, WEIGHT_VERSIONS}),
+    # Every instance reads every result (its clients' futures may be any of them), no group.
+    TINKER_API: frozenset({TINKER_RESULTS}),
 }
 GROUPS: Final[dict[str, frozenset[str]]] = {
-    LEARNER: frozenset({LEARNER_GROUP, LEARNER_TRAJECTORIES_GROUP}),
+    LEARNER: frozenset({LEARNER_GROUP, LEARNER_TRAJECTORIES_GROUP, LEARNER_TINKER_GROUP}),
     GENERATOR: frozenset({ROLLOUT_GENERATOR_GROUP}),
     CHECKPOINT_SERVER: frozenset({CHECKPOINT_SERVER_GROUP}),
 }
@@ -95,6 +107,8 @@ def payload_type(topic: str) -> type[Stamped]:
         TRAJECTORIES: m.Trajectory,
         WEIGHT_VERSIONS: m.WeightVersion,
         DEAD_LETTERS: m.DeadLetter,
+        TINKER_CALLS: m.TinkerCall,
+        TINKER_RESULTS: m.TinkerResult,
     }
     try:
         return types[topic]

@@ -52,6 +52,7 @@ from rlnode.service.registry import (
     GENERATOR,
     LEARNER,
     SERVICES,
+    TINKER_API,
     VAULT,
     ServiceSpec,
     port_offset,
@@ -230,6 +231,8 @@ class LocalNode:
         if CHECKPOINT_SERVER.name in wanted:
             serving = vault_url | gateway_url | self._token_env(CHECKPOINT_SERVER)
             self._service(CHECKPOINT_SERVER, serving, serving_env)
+        if TINKER_API.name in wanted:
+            self._service(TINKER_API, vault_url | self._token_env(TINKER_API))
         if GENERATOR.name in wanted:
             token = self._token_env(GENERATOR)
             # Weight versions this host cannot see in shared memory come from the learner.

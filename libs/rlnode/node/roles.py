@@ -1,7 +1,7 @@
 """Roles per host: a node can span machines, each running the services of its roles.
 
-- `control`: the broker (embedded unless KAFKA_BOOTSTRAP_SERVERS names one), the vault and
-  the taskapp-gateways (with the managed Task Apps). One host has it.
+- `control`: the broker (embedded unless KAFKA_BOOTSTRAP_SERVERS names one), the vault, the
+  taskapp-gateways (with the managed Task Apps) and the tinker-api. One host has it.
 - `training`: the learner, and the checkpoint-server beside it (it serves the checkpoints
   the learner writes to its own disk).
 - `inference`: rollout-generators. They load weight versions from the learner's shared
@@ -19,10 +19,17 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rlnode.service.files import private_file
-from rlnode.service.registry import CHECKPOINT_SERVER, GATEWAY, GENERATOR, LEARNER, VAULT
+from rlnode.service.registry import (
+    CHECKPOINT_SERVER,
+    GATEWAY,
+    GENERATOR,
+    LEARNER,
+    TINKER_API,
+    VAULT,
+)
 
 ROLES: dict[str, tuple[str, ...]] = {
-    "control": (VAULT.name, GATEWAY.name),
+    "control": (VAULT.name, GATEWAY.name, TINKER_API.name),
     "training": (LEARNER.name, CHECKPOINT_SERVER.name),
     "inference": (GENERATOR.name,),
 }

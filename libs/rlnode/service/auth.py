@@ -42,6 +42,7 @@ class Scope(StrEnum):
     JOBS_WRITE = "jobs:write"  # start and cancel jobs
     JOBS_READ = "jobs:read"  # watch jobs, list checkpoints
     INFERENCE = "inference"  # call a checkpoint
+    TINKER = "tinker"  # train and sample through the Tinker API (`rlnode tinker key`)
     TASKAPPS_WRITE = "taskapps:write"  # register and unregister Task Apps
     TASKAPPS_READ = "taskapps:read"  # list and verify Task Apps
     ROLLOUTS_RUN = "rollouts:run"  # services only: run rollouts through the gateway
@@ -58,6 +59,7 @@ ORG_SCOPES = frozenset(
         Scope.JOBS_WRITE,
         Scope.JOBS_READ,
         Scope.INFERENCE,
+        Scope.TINKER,
         Scope.TASKAPPS_WRITE,
         Scope.TASKAPPS_READ,
     }
@@ -65,6 +67,8 @@ ORG_SCOPES = frozenset(
 SERVICE_SCOPES = frozenset(Scope) - {Scope.ORG_ADMIN}
 JOB_SCOPES = frozenset({Scope.JOBS_WRITE})
 TOKEN_KINDS = ("org", "service", "job")
+# A Tinker API key is an org token with this prefix: the tinker SDK refuses keys without it.
+TINKER_KEY_PREFIX = "tml-"
 # Anything that looks like an rlnode token, wherever it sits in a text (see `redact_tokens`).
 TOKEN_PATTERN = re.compile(r"rln1\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+")
 TOKEN_PATTERN_BYTES = re.compile(TOKEN_PATTERN.pattern.encode())

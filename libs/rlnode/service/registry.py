@@ -1,4 +1,4 @@
-"""The five services, declared once: name, package, default port, health path, the scopes
+"""The six services, declared once: name, package, default port, health path, the scopes
 of the service token each needs, its settings prefix, and the variable clients read its URL
 from. The settings defaults, the SDK's default URLs, the CLI's help, the node's process
 wiring, the supervisor and the compose emitter all read this table."""
@@ -75,8 +75,26 @@ CHECKPOINT_SERVER = ServiceSpec(
     on_the_bus=True,
 )
 
+TINKER_API = ServiceSpec(
+    "tinker-api",
+    "rlnode_services.tinker_api",
+    8760,
+    "TINKER_API_",
+    token_scopes=(Scope.RECORDS_SIGN,),
+    # What the tinker SDK reads its server from.
+    client_url_env="TINKER_BASE_URL",
+    on_the_bus=True,
+)
+
 # In start order: each after what it needs.
-SERVICES: tuple[ServiceSpec, ...] = (VAULT, GATEWAY, GENERATOR, LEARNER, CHECKPOINT_SERVER)
+SERVICES: tuple[ServiceSpec, ...] = (
+    VAULT,
+    GATEWAY,
+    GENERATOR,
+    LEARNER,
+    CHECKPOINT_SERVER,
+    TINKER_API,
+)
 SERVICES_BY_NAME = {s.name: s for s in SERVICES}
 PORT_BASE = VAULT.port
 MAX_GATEWAYS = 10  # a node's gateways take the ports from the gateway's to the generators'

@@ -1,5 +1,6 @@
 """HTTP wiring of the learner: the job-request subscription, the job manager's lifecycle,
-a read-only view of the jobs it owns, and the weight versions it published (weights.py)."""
+the Tinker API runs (tinker_runs.py), a read-only view of the jobs it owns, and the weight
+versions it published (weights.py)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from rlnode_services.learner.intake import JobIntake
 from rlnode_services.learner.jobs import JobManager
 from rlnode_services.learner.settings import SERVICE, LearnerSettings
 from rlnode_services.learner.store import JobRecord
+from rlnode_services.learner.tinker_runs import TinkerRuns
 from rlnode_services.learner.weights import weights_router
 
 
@@ -29,6 +31,7 @@ def create_app(settings: LearnerSettings) -> FastAPI:
     engine = engine_for(SERVICE.name, settings.database, settings.node)
     verifier = VaultTokenVerifier(settings.vault_url)
     manager = JobManager(settings, bus, engine, JobIntake(settings, verifier, engine))
+    tinker = TinkerRuns(settings, bus, manager.transport)
     # A request that meets a database outage is handled again once it is over (not lost).
     bus.subscribe(
         topics.JOB_REQUESTS, retry_on_outage(manager.on_request), group_id=settings.group_id
@@ -38,12 +41,14 @@ def create_app(settings: LearnerSettings) -> FastAPI:
     async def lifespan(_app: FastAPI):
         await bus.start()
         await manager.start()
+        await tinker.start()
         yield
+        await tinker.stop()
         await manager.stop()
         await bus.stop()
 
     app = create_service_app(SERVICE, settings, lifespan=lifespan)
-    app.state.failures.extend([bus.failures, manager.drivers.failures])
+    app.state.failures.extend([bus.failures, manager.drivers.failures, tinker.drivers.failures])
     app.state.verifier = verifier
     install_error_handlers(app)
     watch_database(app, engine)

@@ -83,19 +83,24 @@ def check_model_source(settings: LearnerSettings, config: JobConfig, org_id: str
         ("model.source", config.model.source),
         ("model.tokenizer", config.model.tokenizer),
     ):
-        if source is None:
-            continue
-        path = local_model(source)
-        if path is None:
-            if not HUB_ID.match(source) or ".." in source:
-                raise OverLimit(
-                    f"{field} {source!r} is neither a directory on this node nor a Hugging "
-                    "Face repo id (org/name)"
-                )
-            continue
-        _check_local(settings, field, source, path, org_id)
-        if path.is_file():
-            _check_gguf(field, source, path)
+        if source is not None:
+            check_source(settings, field, source, org_id)
+
+
+def check_source(settings: LearnerSettings, field: str, source: str, org_id: str) -> None:
+    """A model the org may train: a Hugging Face repo id, a directory (or .gguf) in
+    LEARNER_MODEL_DIRS or the model store, or one of the org's own checkpoints."""
+    path = local_model(source)
+    if path is None:
+        if not HUB_ID.match(source) or ".." in source:
+            raise OverLimit(
+                f"{field} {source!r} is neither a directory on this node nor a Hugging "
+                "Face repo id (org/name)"
+            )
+        return
+    _check_local(settings, field, source, path, org_id)
+    if path.is_file():
+        _check_gguf(field, source, path)
 
 
 def _check_gguf(field: str, source: str, path: Path) -> None:

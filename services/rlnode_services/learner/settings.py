@@ -124,6 +124,18 @@ class LearnerSettings(VaultClientSettings):
         description="Checkpoint bytes of one job, at most: estimated from the model before it "
         "starts, measured at each checkpoint after.",
     )
+    max_tinker_runs: int = Field(
+        4,
+        ge=1,
+        description="Tinker API runs trained at once (each holds its model): a client's "
+        "create_model past it is refused, naming this setting.",
+    )
+    tinker_checkpoint_every: int = Field(
+        1,
+        ge=1,
+        description="A Tinker API run checkpoints itself every this many optimizer steps; a "
+        "restarted learner resumes it there and runs the calls after it again.",
+    )
     disk_full_wait_s: float = Field(
         600.0,
         ge=0,
