@@ -155,3 +155,66 @@ def test_a_key_that_is_not_an_org_tinker_key_is_refused(node) -> None:
         answer = httpx.post(url, json={}, headers={"X-API-Key": key} if key else {})
         assert answer.status_code == status, answer.text
         assert answer.json()["detail"]
+
+
+def test_a_sequence_learned_is_sampled_back_with_the_trainers_logprobs(node, alice) -> None:
+    """The end-to-end check: overfit one sequence with cross_entropy, save the weights for
+    the sampler, sample the sequence back greedily from its first tokens, and find the
+    sampler's logprobs of it within 0.1 of the trainer's, token for token. (Adapters on the
+    tiny model make every next token of the sequence the most likely one in 25 steps; its
+    loss stays near 30 because its frozen tied embeddings bound its logits.)"""
+    from tinker import types
+
+    service = service_client(node, alice)
+    training = service.create_lora_training_client(base_model=BASE, rank=8).result(timeout=120)
+    datum = sft_datum(SEQUENCE)
+    for _ in range(25):
+        passed = training.forward_backward([datum], "cross_entropy")
+        training.optim_step(types.AdamParams(learning_rate=1e-2))
+    final = passed.result(timeout=300).metrics["loss:sum"]
+    sampler = training.save_weights_and_get_sampling_client().result(timeout=300)
+    prefix = 3
+    sampled = sampler.sample(
+        types.ModelInput.from_ints(SEQUENCE[:prefix]),
+        num_samples=1,
+        sampling_params=types.SamplingParams(max_tokens=len(SEQUENCE) - prefix, temperature=0.0),
+        include_prompt_logprobs=True,
+    ).result(timeout=300)
+    (sequence,) = sampled.sequences
+    assert sequence.tokens == SEQUENCE[prefix:], (final, sequence.tokens)
+    trainer = training.forward([datum], "cross_entropy").result(timeout=120)
+    trained = trainer.loss_fn_outputs[0]["logprobs"].tolist()
+    assert len(sequence.logprobs) == len(trained[prefix - 1 :])
+    for sampler_lp, trainer_lp in zip(sequence.logprobs, trained[prefix - 1 :], strict=True):
+        assert abs(sampler_lp - trainer_lp) < 0.1
+    assert sampled.prompt_logprobs[0] is None
+    assert sampled.prompt_logprobs[1:] == pytest.approx(trained[: prefix - 1], abs=0.1)
+    service.close("success")
+
+
+def test_sampling_sessions_of_the_base_model_and_of_named_weights(node, alice, mallory) -> None:
+    import tinker
+    from tinker import types
+
+    service = service_client(node, alice)
+    base = service.create_sampling_client(base_model=BASE).result(timeout=60)
+    params = types.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+    prompt = types.ModelInput.from_ints(SEQUENCE[:3])
+    first = base.sample(prompt, num_samples=2, sampling_params=params).result(timeout=300)
+    again = base.sample(prompt, num_samples=2, sampling_params=params).result(timeout=300)
+    assert [s.tokens for s in first.sequences] == [s.tokens for s in again.sequences]  # seeded
+    assert len({s.sequence_id for s in first.sequences}) == 2
+    training = service.create_lora_training_client(base_model=BASE, rank=2).result(timeout=120)
+    path = training.save_weights_for_sampler("kept").result(timeout=300).path
+    assert path == f"tinker://{training.model_id}/sampler_weights/kept"
+    named = service.create_sampling_client(model_path=path).result(timeout=60)
+    assert named.get_base_model() == BASE
+    out = named.sample(prompt, num_samples=1, sampling_params=params).result(timeout=300)
+    assert len(out.sequences[0].tokens) == len(out.sequences[0].logprobs) > 0
+    with pytest.raises(Exception, match=r"not served here"):
+        service.create_sampling_client(base_model="/etc").result(timeout=60)
+    stranger = service_client(node, mallory)
+    with pytest.raises((tinker.TinkerError, ValueError), match=r"404|no checkpoint"):
+        stranger.create_sampling_client(model_path=path).result(timeout=60)
+    service.close("success")
+    stranger.close("success")

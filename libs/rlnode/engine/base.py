@@ -37,6 +37,8 @@ class GenerationRequest:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
+    top_k: int = -1  # the k most likely tokens only (-1: all)
+    seed: int | None = None  # the same seed and prompt sample the same completion
 
 
 FinishReason = Literal["stop", "length"]

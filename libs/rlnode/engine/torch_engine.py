@@ -265,6 +265,13 @@ class TorchEngine:
         greedy = temperature.squeeze(-1) <= 0
         temperature = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
         top_p = torch.tensor([r.top_p for r in requests], device=self.device).unsqueeze(-1)
+        top_k = [r.top_k for r in requests]
+        # A request with a seed draws from a generator of its own: the same seed and prompt
+        # sample the same completion whatever else is in the batch.
+        seeded = [
+            torch.Generator(device=self.device).manual_seed(r.seed) if r.seed is not None else None
+            for r in requests
+        ]
         limits = [r.max_tokens for r in requests]
         stops = [set(r.stop_token_ids) | eos for r in requests]
         completions: list[list[int]] = [[] for _ in requests]
@@ -279,7 +286,7 @@ class TorchEngine:
             next_position = positions[:, -1:] + 1
             for _ in range(max(limits)):
                 scaled = torch.log_softmax(logits / temperature, dim=-1)
-                sampled, sampled_from = self._sample(scaled, top_p, greedy)
+                sampled, sampled_from = self._sample(scaled, top_p, greedy, top_k, seeded)
                 chosen = sampled_from.gather(-1, sampled.unsqueeze(-1)).squeeze(-1)
                 ids, lps = sampled.tolist(), chosen.tolist()
                 for row in range(size):
@@ -315,11 +322,19 @@ class TorchEngine:
             for c, lp, f in zip(completions, logprobs, finish, strict=True)
         ]
 
-    def _sample(self, scaled_logprobs, top_p, greedy):
+    def _sample(self, scaled_logprobs, top_p, greedy, top_k=None, seeded=None):
         """The sampled ids and the log-distribution they were drawn from: the tempered one,
-        renormalised over the top-p nucleus where top_p < 1 (as vLLM reports it)."""
+        cut to the top k and renormalised over the top-p nucleus where asked (as vLLM
+        reports it)."""
         import torch
 
+        for row, k in enumerate(top_k or []):
+            if 0 < k < scaled_logprobs.shape[-1]:
+                kth = scaled_logprobs[row].topk(k).values[-1]
+                scaled_logprobs[row] = torch.log_softmax(
+                    scaled_logprobs[row].masked_fill(scaled_logprobs[row] < kth, float("-inf")),
+                    dim=-1,
+                )
         if bool((top_p < 1.0).any()):
             sorted_probs, order = scaled_logprobs.exp().sort(dim=-1, descending=True)
             # Keep the smallest set reaching top_p (rows with top_p 1 keep everything).
@@ -330,6 +345,9 @@ class TorchEngine:
             )
         probs = scaled_logprobs.exp()
         sampled = torch.multinomial(probs, 1, generator=self._generator).squeeze(-1)
+        for row, generator in enumerate(seeded or []):
+            if generator is not None:
+                sampled[row] = torch.multinomial(probs[row], 1, generator=generator)[0]
         return torch.where(greedy, scaled_logprobs.argmax(-1), sampled), scaled_logprobs
 
     def _hit_stop_string(self, request: GenerationRequest, completion: list[int]) -> bool:

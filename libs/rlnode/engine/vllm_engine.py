@@ -149,6 +149,8 @@ class VLLMEngine:
             max_tokens=request.max_tokens,
             temperature=request.temperature,
             top_p=request.top_p,
+            top_k=request.top_k,
+            seed=request.seed,
             stop=request.stop or None,
             stop_token_ids=request.stop_token_ids or None,
             logprobs=0,  # the sampled token's logprob

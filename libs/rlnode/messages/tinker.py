@@ -132,3 +132,41 @@ class TinkerResult(Envelope):
     @property
     def ok(self) -> bool:
         return self.error is None
+
+
+# -- sampling: the tinker-api asks a generator over HTTP (no record: nothing to replay) -----
+
+
+class SampleRequest(StrictModel):
+    """Completions of one prompt from a run's weight version, or from the base model alone
+    (`weights_uri` None)."""
+
+    org_id: ResourceId
+    job_id: ResourceId | None = Field(None, description="The run whose weights; None: the base.")
+    base_model: str = Field(min_length=1, description="The model source the engine loads.")
+    weights_uri: str | None = None
+    weight_version: NonNegativeInt | None = None
+    adapter: LoraSpec | None = None
+    prompt_ids: list[int] = Field(min_length=1)
+    num_samples: int = Field(1, ge=1, le=1024)
+    max_tokens: int = Field(256, ge=1)
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1)
+    seed: int | None = None
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    prompt_logprobs: bool = False
+
+
+class SampledSequence(StrictModel):
+    tokens: list[int]
+    logprobs: list[float]
+    stop_reason: Literal["stop", "length"]
+
+
+class SampleResult(StrictModel):
+    sequences: list[SampledSequence]
+    prompt_logprobs: list[float | None] | None = Field(
+        None, description="Of each prompt token given those before it (None for the first)."
+    )

@@ -231,8 +231,7 @@ class LocalNode:
         if CHECKPOINT_SERVER.name in wanted:
             serving = vault_url | gateway_url | self._token_env(CHECKPOINT_SERVER)
             self._service(CHECKPOINT_SERVER, serving, serving_env)
-        if TINKER_API.name in wanted:
-            self._service(TINKER_API, vault_url | self._token_env(TINKER_API))
+        generator_urls: list[str] = []
         if GENERATOR.name in wanted:
             token = self._token_env(GENERATOR)
             # Weight versions this host cannot see in shared memory come from the learner.
@@ -242,7 +241,13 @@ class LocalNode:
                 # Named by host too where several hosts run generators: gen0@10.0.0.2.
                 ident = name if self.options.host == "127.0.0.1" else f"{name}@{self.options.host}"
                 own = vault_url | generator_gateways | token | weights | {"GENERATOR_ID": ident}
-                self._service(GENERATOR, own, env, instance=name, index=index)
+                generator_urls.append(
+                    self._service(GENERATOR, own, env, instance=name, index=index).url
+                )
+        if TINKER_API.name in wanted:
+            # Sampling sessions are served by this host's generators.
+            tinker = vault_url | self._token_env(TINKER_API)
+            self._service(TINKER_API, tinker | {"GENERATOR_URLS": ",".join(generator_urls)})
         for process in self.processes.values():
             process.wait_healthy(timeout_s=60)
         if join is None and self.options.host != "127.0.0.1":  # loopback: none could join

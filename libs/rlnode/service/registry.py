@@ -80,7 +80,8 @@ TINKER_API = ServiceSpec(
     "rlnode_services.tinker_api",
     8760,
     "TINKER_API_",
-    token_scopes=(Scope.RECORDS_SIGN,),
+    # It signs the calls it publishes, and asks generators to sample (their tinker route).
+    token_scopes=(Scope.RECORDS_SIGN, Scope.TINKER),
     # What the tinker SDK reads its server from.
     client_url_env="TINKER_BASE_URL",
     on_the_bus=True,

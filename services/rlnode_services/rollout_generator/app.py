@@ -12,10 +12,12 @@ from fastapi.responses import JSONResponse, Response
 
 from rlnode.bus import Bus
 from rlnode.bus.signing import signing_for
+from rlnode.engine.base import EngineError
 from rlnode.messages import topics
+from rlnode.messages.tinker import SampleRequest, SampleResult
 from rlnode.service.app import create_service_app
-from rlnode.service.auth import VaultTokenVerifier
-from rlnode.service.http import Operator, install_error_handlers, json_response
+from rlnode.service.auth import AuthError, Scope, VaultTokenVerifier
+from rlnode.service.http import Caller, Operator, install_error_handlers, json_response
 from rlnode.service.openai_api import (
     BadChatRequest,
     ChatCompletionRequest,
@@ -37,6 +39,7 @@ from rlnode_services.rollout_generator.rollouts import (
     RolloutRegistry,
     RolloutRunner,
 )
+from rlnode_services.rollout_generator.sampling import Samplers, SamplingRefused
 from rlnode_services.rollout_generator.settings import SERVICE, GeneratorSettings
 from rlnode_services.rollout_generator.weights import WeightSync
 from rlnode_services.rollout_generator.work import WorkHandler
@@ -51,6 +54,7 @@ def _check_supported(n: int) -> None:
 
 def create_app(settings: GeneratorSettings) -> FastAPI:
     pool = EnginePool(settings)
+    samplers = Samplers(settings, pool)
     registry = RolloutRegistry()
     bus = Bus(
         settings.kafka,
@@ -88,6 +92,7 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
         # uncommitted for another generator.
         await bus.stop(settings.drain_timeout_s)
         await runner.aclose()
+        await samplers.close()
         await pool.close()
 
     app = create_service_app(SERVICE, settings, lifespan=lifespan)
@@ -116,6 +121,18 @@ def create_app(settings: GeneratorSettings) -> FastAPI:
             "partitions": work_subscription.partitions,
             "jobs": {job: e.loaded_version for job, e in pool.jobs.items()},
         }
+
+    @app.post("/v1/tinker/sample", tags=["inference"])
+    async def tinker_sample(body: SampleRequest, claims: Caller) -> SampleResult:
+        """Completions for a Tinker API sampling session (the tinker-api's service token)."""
+        if not claims.node_wide_service or Scope.TINKER not in claims.scopes:
+            raise AuthError(403, "this route is the tinker-api's: a service token with tinker")
+        try:
+            return await samplers.sample(body)
+        except SamplingRefused as e:
+            raise InferenceRefused(400, str(e)) from None
+        except EngineError as e:
+            raise InferenceRefused(503, f"the engine failed: {e}") from None
 
     @app.post("/rollouts/{rollout_id}/v1/chat/completions", tags=["inference"])
     async def chat_completions(rollout_id: str, body: ChatCompletionRequest) -> Response:

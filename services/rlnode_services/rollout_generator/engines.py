@@ -58,6 +58,10 @@ class EnginePool:
         # Downloads weight versions this host cannot see (None: no learner URL set).
         self.fetcher = WeightsFetcher(settings) if settings.weights_url is not None else None
 
+    def create(self, model: ModelSpec, lora: LoraSpec | None = None) -> Engine:
+        """An engine of this generator's kind for `model` (adapters up to `lora`'s rank)."""
+        return self._create(model, False, lora)
+
     def _create(
         self, model: ModelSpec, reference: bool = False, lora: LoraSpec | None = None
     ) -> Engine:

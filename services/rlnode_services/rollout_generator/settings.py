@@ -115,6 +115,12 @@ class GeneratorSettings(VaultClientSettings):
     )
 
     concurrency: int = Field(16, ge=1, le=4096, description="Rollouts in flight at once.")
+    tinker_samplers: int = Field(
+        2,
+        ge=1,
+        description="Engines kept for the Tinker API's sampling sessions (one per run's "
+        "weight version, or base model); the least recently used is closed for a new one.",
+    )
     work_group: str = Field(
         ROLLOUT_GENERATOR_GROUP, description="The consumer group the generators share work in."
     )

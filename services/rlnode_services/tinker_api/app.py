@@ -40,6 +40,7 @@ from rlnode.service.http import install_error_handlers
 from rlnode_services.tinker_api import wire
 from rlnode_services.tinker_api.calls import Calls, internal_seq, tinker_path
 from rlnode_services.tinker_api.futures import Futures
+from rlnode_services.tinker_api.sampling import Sampling, sample_request
 from rlnode_services.tinker_api.settings import SERVICE, TinkerApiSettings
 from rlnode_services.tinker_api.store import (
     TABLES,
@@ -90,12 +91,14 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
     verifier = VaultTokenVerifier(settings.vault_url)
     futures = Futures(settings.result_ttl_s)
     calls = Calls(bus, engine, futures)
+    sampling = Sampling(settings, futures)
     bus.subscribe(topics.TINKER_RESULTS, calls.on_result, group_id=None, from_beginning=False)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         await bus.start()
         yield
+        await sampling.close()
         await bus.stop()
 
     app = create_service_app(SERVICE, settings, lifespan=lifespan)
@@ -414,6 +417,99 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
             "is_lora": model.lora_rank is not None,
             "lora_rank": model.lora_rank,
             **{k: lora.get(k, True) for k in ("train_unembed", "train_mlp", "train_attn") if lora},
+        }
+
+    # -- sampling sessions ---------------------------------------------------------------------
+
+    def sampler_of(org: TokenClaims, sampler_id: str) -> TinkerSampler:
+        with Session(engine) as s:
+            found = s.get(TinkerSampler, sampler_id)
+        if found is None or found.org_id != org.org_id:
+            raise ApiError(404, f"no sampling session {sampler_id!r}")
+        return found
+
+    @app.post(API + "/create_sampling_session", tags=["tinker"])
+    async def create_sampling_session(org: Org, body: dict[str, Any]) -> dict[str, Any]:
+        session = session_of(org, str(body.get("session_id")))
+        sampler_id = f"{session.session_id}:sample:{int(body.get('sampling_session_seq_id') or 0)}"
+        assert org.org_id is not None
+        sampler = TinkerSampler(
+            sampler_id=sampler_id,
+            org_id=org.org_id,
+            session_id=session.session_id,
+            base_model="",
+            source="",
+        )
+        if body.get("model_path"):
+            path = str(body["model_path"])
+            checkpoint = checkpoint_of(org, path)
+            if checkpoint.kind != "sampler":
+                raise ApiError(
+                    400,
+                    f"{path} is a training checkpoint: sample from sampler_weights/ paths "
+                    "(save_weights_for_sampler)",
+                )
+            model = model_of(org, checkpoint.model_id)
+            sampler.base_model, sampler.source = model.base_model, model.source
+            sampler.model_path, sampler.job_id = path, model.job_id
+            sampler.weight_version, sampler.uri = checkpoint.weight_version, checkpoint.uri
+        elif body.get("base_model"):
+            name = str(body["base_model"])
+            # Only the node's own base models: a path of the client's choosing could name
+            # files that are not theirs (another org's checkpoints).
+            if name not in settings.base_models and name not in settings.base_models.values():
+                served = ", ".join(settings.base_models) or "none (TINKER_API_BASE_MODELS)"
+                raise ApiError(
+                    400, f"base model {name!r} is not served here; this node's: {served}"
+                )
+            sampler.base_model, sampler.source = name, source_of(name)
+        else:
+            raise ApiError(400, "name what to sample: base_model or model_path")
+        with session_scope(engine) as s:
+            s.merge(sampler)
+        return {"sampling_session_id": sampler_id, "type": "create_sampling_session"}
+
+    @app.get(API + "/samplers/{sampler_id}", tags=["tinker"])
+    async def get_sampler(org: Org, sampler_id: str) -> dict[str, Any]:
+        sampler = sampler_of(org, sampler_id)
+        return {
+            "sampler_id": sampler.sampler_id,
+            "base_model": sampler.base_model,
+            "model_path": sampler.model_path,
+        }
+
+    @app.post(API + "/asample", tags=["tinker"])
+    async def asample(org: Org, body: dict[str, Any]) -> dict[str, Any]:
+        if not body.get("sampling_session_id"):
+            raise ApiError(400, "asample needs a sampling_session_id (create_sampling_session)")
+        sampler = sampler_of(org, str(body["sampling_session_id"]))
+        adapter = None
+        if sampler.job_id is not None:
+            with Session(engine) as s:
+                run = s.exec(
+                    select(TinkerModel).where(TinkerModel.job_id == sampler.job_id)
+                ).first()
+            if run is not None and run.lora_config:
+                adapter = _lora_of(json.loads(run.lora_config))
+        assert org.org_id is not None
+        try:
+            request = sample_request(
+                body,
+                org_id=org.org_id,
+                base_source=sampler.source,
+                job_id=sampler.job_id,
+                weight_version=sampler.weight_version,
+                weights_uri=sampler.uri,
+                adapter=adapter,
+            )
+        except wire.WireError as e:
+            raise ApiError(400, str(e)) from None
+        request_id, _future = futures.open(org.org_id, "sample")
+        last_n = body.get("prompt_logprobs_last_n")
+        sampling.start(request_id, request, int(last_n) if last_n is not None else None)
+        return {
+            "request_id": request_id,
+            "sample_sequence_ids": [f"{request_id}:{i}" for i in range(request.num_samples)],
         }
 
     # -- futures -------------------------------------------------------------------------------

@@ -33,6 +33,18 @@ class TinkerApiSettings(VaultClientSettings):
     result_ttl_s: float = Field(
         3600.0, gt=0, description="How long a finished future's result is kept for its client."
     )
+    generator_urls: str = Field(
+        "",
+        description="The rollout-generators sampling sessions are served by, comma-separated "
+        "(`rlnode up` sets them); requests go round the list.",
+    )
+    sample_timeout_s: float = Field(
+        600.0, gt=0, description="Longest a generator may take over one sample request."
+    )
     max_body_bytes: int = Field(
         64 * 2**20, ge=1, description="The largest request body taken (forward_backward)."
     )
+
+    @property
+    def generator_list(self) -> list[str]:
+        return [u.strip().rstrip("/") for u in self.generator_urls.split(",") if u.strip()]

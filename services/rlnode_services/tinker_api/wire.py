@@ -9,7 +9,7 @@ import numpy as np
 import zstandard
 from tinker.proto import tinker_public_pb2 as pb
 
-from rlnode.messages.tinker import ForwardBackward, TinkerDatum
+from rlnode.messages.tinker import ForwardBackward, SampleResult, TinkerDatum
 
 _NUMPY: dict[int, np.dtype] = {
     pb.DTYPE_FLOAT32: np.dtype("<f4"),
@@ -120,3 +120,38 @@ def forward_backward_output(logprobs: list[list[float]], metrics: dict[str, floa
     for key, value in metrics.items():
         out.metrics[key] = float(value)
     return out.SerializeToString()
+
+
+def sample_response(result: SampleResult, prompt_logprobs_last_n: int | None = None) -> bytes:
+    """A serialized SampleResponse: each sequence's tokens (int32) and logprobs (float32),
+    and the prompt's logprobs (NaN where there are none: the first token, and those before
+    the last `prompt_logprobs_last_n`)."""
+    out = pb.SampleResponse()
+    for sequence in result.sequences:
+        out.sequences.add(
+            stop_reason=pb.STOP_REASON_STOP
+            if sequence.stop_reason == "stop"
+            else pb.STOP_REASON_LENGTH,
+            tokens=np.asarray(sequence.tokens, dtype="<i4").tobytes(),
+            logprobs=np.asarray(sequence.logprobs, dtype="<f4").tobytes(),
+        )
+    if result.prompt_logprobs is not None:
+        values = [np.nan if v is None else v for v in result.prompt_logprobs]
+        if prompt_logprobs_last_n is not None:
+            cut = max(0, len(values) - prompt_logprobs_last_n)
+            values = [np.nan] * cut + values[cut:]
+        out.prompt_logprobs = np.asarray(values, dtype="<f4").tobytes()
+    return out.SerializeToString()
+
+
+def prompt_tokens(prompt: dict, what: str = "prompt") -> list[int]:
+    """The tokens of a JSON ModelInput ({"chunks": [{"type": "encoded_text", ...}]})."""
+    tokens: list[int] = []
+    for chunk in (prompt or {}).get("chunks", []):
+        kind = chunk.get("type", "encoded_text")
+        if kind != "encoded_text":
+            raise WireError(f"the {what} has a {kind} chunk: this node samples text only")
+        tokens.extend(int(t) for t in chunk.get("tokens", []))
+    if not tokens:
+        raise WireError(f"the {what} has no tokens")
+    return tokens
