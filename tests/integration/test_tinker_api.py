@@ -12,6 +12,8 @@ import os
 import pytest
 
 from rlnode.models.build import init_tiny_model
+from rlnode.node import chaos
+from rlnode.node.chaos import Supervision
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.testing import run_rlnode, unique_id
 
@@ -28,7 +30,12 @@ def node(tmp_path_factory):
         data_dir=directory / "node", env={"tinker-api": {"TINKER_API_BASE_MODELS": models}}
     )
     with LocalNode(options) as running:
-        yield running, directory
+        supervision = Supervision(running)  # as `rlnode up` does: what dies starts again
+        supervision.start()
+        try:
+            yield running, directory
+        finally:
+            supervision.stop()
 
 
 def tinker_key(node, org) -> str:
@@ -218,3 +225,68 @@ def test_sampling_sessions_of_the_base_model_and_of_named_weights(node, alice, m
         stranger.create_sampling_client(model_path=path).result(timeout=60)
     service.close("success")
     stranger.close("success")
+
+
+def _train(training, datum, steps: int, lr: float = 2e-3) -> list:
+    """Queue `steps` passes and optimizer steps (the SDK pipelines them); their futures."""
+    from tinker import types
+
+    futures = []
+    for _ in range(steps):
+        futures.append(training.forward_backward([datum], "cross_entropy"))
+        futures.append(training.optim_step(types.AdamParams(learning_rate=lr)))
+    return futures
+
+
+def test_a_learner_killed_mid_run_loses_no_call_and_applies_none_twice(node, alice) -> None:
+    """SIGKILL the learner with calls in flight: supervision starts it again, the run
+    resumes from its last checkpoint and the calls after it are run again; every pending
+    future completes, the optimizer has taken each step once, and the weights are those of
+    the same calls made without a kill."""
+    running, _directory = node
+    service = service_client(node, alice)
+    datum = sft_datum(SEQUENCE)
+    clean = service.create_lora_training_client(base_model=BASE, rank=4).result(timeout=120)
+    for future in _train(clean, datum, 5):
+        future.result(timeout=120)
+    expected = clean.forward([datum], "cross_entropy").result(timeout=120)
+
+    killed = service.create_lora_training_client(base_model=BASE, rank=4).result(timeout=120)
+    for future in _train(killed, datum, 2):
+        future.result(timeout=120)
+    pending = _train(killed, datum, 3)
+    pid = chaos.kill(running, "learner", {})
+    results = [future.result(timeout=300) for future in pending]
+    steps = [r.metrics["step"] for r in results[1::2]]
+    assert steps == [3.0, 4.0, 5.0], steps  # each step once, in order
+    assert running.processes["learner"].proc.pid != pid  # started again
+    after = killed.forward([datum], "cross_entropy").result(timeout=120)
+    assert after.loss_fn_outputs[0]["logprobs"].tolist() == pytest.approx(
+        expected.loss_fn_outputs[0]["logprobs"].tolist(), abs=1e-4
+    )
+    service.close("success")
+
+
+def test_two_orgs_train_at_once_and_each_sees_only_its_own(node, alice, mallory) -> None:
+    clients = {key: service_client(node, key) for key in (alice, mallory)}
+    runs = {
+        key: client.create_lora_training_client(base_model=BASE, rank=2).result(timeout=120)
+        for key, client in clients.items()
+    }
+    datum = sft_datum(SEQUENCE)
+    in_flight = {key: _train(run, datum, 2) for key, run in runs.items()}  # interleaved
+    for futures in in_flight.values():
+        assert [f.result(timeout=300).metrics["step"] for f in futures[1::2]] == [1.0, 2.0]
+    for key, run in runs.items():
+        path = run.save_state("mine").result(timeout=120).path
+        listed = rest_client(node, key).list_training_runs(limit=100).result(timeout=60)
+        ids = {r.training_run_id for r in listed.training_runs}
+        assert run.model_id in ids
+        others = {r.model_id for k, r in runs.items() if k != key}
+        assert not ids & others
+        assert path in {
+            c.tinker_path
+            for c in rest_client(node, key).list_user_checkpoints().result(timeout=60).checkpoints
+        }
+    for client in clients.values():
+        client.close("success")

@@ -340,9 +340,11 @@ def test_the_acls_are_what_the_services_read_write_and_group_by() -> None:
         LEARNER.name: {
             LearnerSettings.model_fields["group_id"].default,
             LearnerSettings.model_fields["trajectory_group_id"].default,
+            LearnerSettings.model_fields["tinker_group_id"].default,
         },
         GENERATOR.name: {GeneratorSettings.model_fields["work_group"].default},
         "checkpoint-server": {CheckpointServerSettings.model_fields["group_id"].default},
+        "tinker-api": set(),  # every instance reads every result: no group
     }
     assert {s: set(g) for s, g in topics.GROUPS.items()} == defaults
     granted = kafka_acls()

@@ -58,6 +58,16 @@ TOPIC_ROLES: dict[str, tuple[str, str, str]] = {
         "operators",
         "Records a consumer could not use, with the reason.",
     ),
+    topics.TINKER_CALLS: (
+        "tinker-api",
+        "learner (group learner-tinker)",
+        "A Tinker API run's training calls, in the run's order.",
+    ),
+    topics.TINKER_RESULTS: (
+        "learner",
+        "tinker-api (every instance)",
+        "What each call of a Tinker API run gave, or why it failed.",
+    ),
 }
 
 

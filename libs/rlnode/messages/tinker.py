@@ -99,6 +99,8 @@ TinkerOp = Annotated[
 
 
 class TinkerCall(Envelope):
+    """One call of a Tinker API run (its job id), numbered in the run's order."""
+
     SCHEMA: ClassVar[Literal["rlnode.TinkerCall/1"]] = "rlnode.TinkerCall/1"
     schema_: Literal["rlnode.TinkerCall/1"] = Field(SCHEMA, alias="schema")
 
@@ -108,6 +110,8 @@ class TinkerCall(Envelope):
 
 
 class TinkerResult(Envelope):
+    """What a call of a Tinker API run gave, or why it failed."""
+
     SCHEMA: ClassVar[Literal["rlnode.TinkerResult/1"]] = "rlnode.TinkerResult/1"
     schema_: Literal["rlnode.TinkerResult/1"] = Field(SCHEMA, alias="schema")
 

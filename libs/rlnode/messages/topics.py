@@ -90,6 +90,7 @@ GROUPS: Final[dict[str, frozenset[str]]] = {
     LEARNER: frozenset({LEARNER_GROUP, LEARNER_TRAJECTORIES_GROUP, LEARNER_TINKER_GROUP}),
     GENERATOR: frozenset({ROLLOUT_GENERATOR_GROUP}),
     CHECKPOINT_SERVER: frozenset({CHECKPOINT_SERVER_GROUP}),
+    TINKER_API: frozenset(),
 }
 # Job requests are written by users (the CLI, the SDK, their own clients) and by the
 # checkpoint-server on behalf of the dashboard.

@@ -1,5 +1,5 @@
 """Compose files for a node over several hosts, one per role (`deploy/compose/`): the
-control host runs Kafka, PostgreSQL, the vault and the gateway; a training host the learner
+control host runs Kafka, PostgreSQL, the vault, the gateway and the tinker-api; a training host the learner
 and the checkpoint-server; an inference host a rollout-generator per engine. Each file
 carries its role's plan for 8 GPUs (`make_plan(8, roles=(role,))`); `rlnode plan --role R
 --gpus N --emit compose` writes the override for another count from the same function

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
 from rlnode.messages.rollouts import MAX_SAMPLES_PER_WORK
-from rlnode.messages.topics import LEARNER_GROUP, LEARNER_TRAJECTORIES_GROUP
+from rlnode.messages.topics import LEARNER_GROUP, LEARNER_TINKER_GROUP, LEARNER_TRAJECTORIES_GROUP
 from rlnode.service.registry import GATEWAY, LEARNER
 from rlnode.service.settings import VaultClientSettings
 from rlnode.training.network import split_endpoint
@@ -88,6 +88,9 @@ class LearnerSettings(VaultClientSettings):
     group_id: str = Field(LEARNER_GROUP, description="The consumer group of job requests.")
     trajectory_group_id: str = Field(
         LEARNER_TRAJECTORIES_GROUP, description="The consumer group of trajectories."
+    )
+    tinker_group_id: str = Field(
+        LEARNER_TINKER_GROUP, description="The consumer group of Tinker API runs' calls."
     )
     step_timeout_s: float = Field(
         1800.0, gt=0, description="Longest wait for one step's trajectories."

@@ -44,7 +44,7 @@ class TinkerRuns:
         self.calls = self.bus.subscribe(
             topics.TINKER_CALLS,
             self.on_call,
-            group_id=topics.LEARNER_TINKER_GROUP,
+            group_id=self.settings.tinker_group_id,
             commit="when_settled",
             tag=lambda c: (c.job_id, c.seq_id),
             settled=self._settled,
