@@ -10,6 +10,7 @@ from rlnode.messages.config import JobConfig, ModelSpec, SamplingSpec, TaskAppSp
 from rlnode.messages.dead_letters import DeadLetter
 from rlnode.messages.jobs import JobEvent, JobEventType, JobRequest
 from rlnode.messages.rollouts import RolloutFailure, RolloutWork, TokenTurn, Trajectory
+from rlnode.messages.tinker import ForwardBackward, TinkerCall, TinkerDatum, TinkerResult
 from rlnode.messages.weights import ParityProbe, WeightVersion
 
 
@@ -125,5 +126,27 @@ def example_payloads(job_id: str = "job-example", org_id: str = "org-example") -
             reason="invalid Trajectory: reward: Input should be a finite number",
             payload_b64="e30=",
             payload_size=2,
+        ),
+        TinkerCall(
+            **ids,
+            request_id="7d1c0a52-5b7e-4f0e-9a51-0c2b9d3f6a10",
+            seq_id=2,
+            call=ForwardBackward(
+                datums=[
+                    TinkerDatum(
+                        input_ids=[1, 15, 27], targets=[15, 27, 2], inputs={"weights": [0, 1, 1]}
+                    )
+                ],
+                loss_fn="cross_entropy",
+            ),
+        ),
+        TinkerResult(
+            **ids,
+            request_id="7d1c0a52-5b7e-4f0e-9a51-0c2b9d3f6a10",
+            seq_id=2,
+            op="forward_backward",
+            logprobs=[[-3.2, -4.1, -0.7]],
+            loss_sum=4.8,
+            tokens=3,
         ),
     ]
