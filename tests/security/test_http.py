@@ -26,6 +26,7 @@ PUBLIC = {
     "/openapi.json",  # the API's shape, which the public repository holds anyway
     "/v1/verify-key",  # the vault's public key: verifiers need it before they can check anything
     "/v1/revocations",  # ids of revoked tokens: not credentials
+    "/api/v1/healthz",  # the tinker SDK's liveness route: {"status": "ok"}, nothing else
 }
 # Capability URLs: the unguessable rollout id is the credential (the Task App calling back
 # has no rlnode token). An unknown id gets 404.
