@@ -60,7 +60,7 @@ class TinkerRun:
         devices: list[str],
         transport: JobTransport,
         *,
-        tokens_per_micro_batch: int = 8192,
+        tokens_per_micro_batch: int = 4096,
         checkpoint_every: int = 1,
         weights_root: Path | None = None,
         weights_dtype: str = "float32",
@@ -76,8 +76,14 @@ class TinkerRun:
         self.source = source
         self.checkpoint_every = checkpoint_every
         self.cancelled = asyncio.Event()
+        # Every layer's activations recomputed in the backward pass: a client sends whole
+        # multi-turn episodes, and without it SmolLM2's activations for 6,000 tokens took
+        # 17 GiB on the CPU (the learner was killed for memory); with it, 5.9 GiB.
         training = TrainingSpec(
-            lora=spec.lora, seed=spec.seed, tokens_per_micro_batch=tokens_per_micro_batch
+            lora=spec.lora,
+            seed=spec.seed,
+            tokens_per_micro_batch=tokens_per_micro_batch,
+            activation_checkpointing=True,
         )
         self.policy = Policy(
             run_id,

@@ -133,6 +133,12 @@ class LearnerSettings(VaultClientSettings):
         description="Tinker API runs trained at once (each holds its model): a client's "
         "create_model past it is refused, naming this setting.",
     )
+    tinker_tokens_per_micro_batch: int = Field(
+        4096,
+        ge=1,
+        description="Tokens in one forward and backward pass of a Tinker API run (its datums "
+        "are split into passes of at most this many; one longer datum is a pass alone).",
+    )
     tinker_checkpoint_every: int = Field(
         1,
         ge=1,
