@@ -21,7 +21,7 @@ from rlnode.service.auth import TINKER_KEY_PREFIX, Scope
 from rlnode.testing import unique_id
 
 COOKBOOK_DATA = Path(__import__("tinker_cookbook").__file__).parent / "example_data"
-TINY = ["renderer_name=qwen3_instruct", "max_steps=2", "behavior_if_log_dir_exists=delete"]
+TINY = ["renderer_name=qwen3_instruct", "behavior_if_log_dir_exists=delete"]
 RECIPES = {
     "math_rl": [
         "tinker_cookbook.recipes.math_rl.train",
@@ -33,6 +33,7 @@ RECIPES = {
         "lora_rank=8",
         "eval_every=0",
         "save_every=0",
+        "max_steps=2",
     ],
     "chat_sl": [
         "tinker_cookbook.recipes.chat_sl.train",
@@ -43,23 +44,27 @@ RECIPES = {
         "eval_every=0",
         "save_every=0",
         "infrequent_eval_every=0",
+        "max_steps=2",
     ],
+    # Ten turns of a growing chat: 2,700 tokens an episode, about a minute a step here.
     "guess_number": [
         "tinker_cookbook.recipes.multiplayer_rl.guess_number.train",
         "group_size=2",
-        "batch_size=2",
+        "batch_size=1",
         "max_tokens=8",
         "eval_every=0",
         "save_every=0",
+        "max_steps=1",
     ],
     "text_arena": [
         "tinker_cookbook.recipes.multiplayer_rl.text_arena.train",
         "batch_size=2",
-        "num_train_datapoints=4",
+        "num_train_datapoints=2",
         "num_test_datapoints=2",
         "max_tokens=8",
         "eval_every=0",
         "save_every=0",
+        "max_steps=1",
     ],
     "shorter": [
         "tinker_cookbook.recipes.preference.shorter.train",
@@ -67,6 +72,7 @@ RECIPES = {
         "batch_size=2",
         "max_tokens=8",
         "eval_every=0",
+        "max_steps=2",
     ],
 }
 
@@ -117,7 +123,7 @@ def test_a_cookbook_recipe_runs_on_the_node(node, smollm2, name, tmp_path) -> No
 
 def test_math_rl_resumes_from_its_saved_state(node, smollm2, tmp_path) -> None:
     log_path = tmp_path / "resumed"
-    first = [*RECIPES["math_rl"][:-1], "save_every=1", "renderer_name=qwen3_instruct"]
+    first = [*RECIPES["math_rl"][:-2], "save_every=1", "renderer_name=qwen3_instruct"]
     recipe(node, smollm2, [*first, "max_steps=1", "behavior_if_log_dir_exists=delete"], log_path)
     output = recipe(
         node, smollm2, [*first, "max_steps=2", "behavior_if_log_dir_exists=resume"], log_path

@@ -137,6 +137,20 @@ class TinkerResult(Envelope):
     def ok(self) -> bool:
         return self.error is None
 
+    @classmethod
+    def of(cls, call: TinkerCall, **fields: object) -> TinkerResult:
+        """The result of `call` (its run, org, request and place), with `fields`."""
+        return cls.model_validate(
+            {
+                "job_id": call.job_id,
+                "org_id": call.org_id,
+                "request_id": call.request_id,
+                "seq_id": call.seq_id,
+                "op": call.call.op,
+                **fields,
+            }
+        )
+
 
 # -- sampling: the tinker-api asks a generator over HTTP (no record: nothing to replay) -----
 

@@ -267,14 +267,7 @@ class TinkerRun:
             shutil.rmtree(old, ignore_errors=True)
 
     def _result(self, call: TinkerCall, **fields: Any) -> TinkerResult:
-        return TinkerResult(
-            job_id=self.run_id,
-            org_id=self.org_id,
-            request_id=call.request_id,
-            seq_id=call.seq_id,
-            op=call.call.op,
-            **fields,
-        )
+        return TinkerResult.of(call, **fields)
 
     async def _event(self, kind: JobEventType, message: str, data: Any = None) -> None:
         event = JobEvent.of(self.run_id, self.org_id, self.source, kind, message, data)

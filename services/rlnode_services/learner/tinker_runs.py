@@ -154,15 +154,7 @@ class TinkerRuns:
 
 
 def _failed(call: TinkerCall, error: str, category: str) -> TinkerResult:
-    return TinkerResult(
-        job_id=call.job_id,
-        org_id=call.org_id,
-        request_id=call.request_id,
-        seq_id=call.seq_id,
-        op=call.call.op,
-        error=error,
-        error_category="user" if category == "user" else "server",
-    )
+    return TinkerResult.of(call, error=error, error_category=category)
 
 
 def _write_spec(root: Path, spec: CreateRun) -> None:
