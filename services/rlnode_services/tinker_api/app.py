@@ -12,12 +12,14 @@ import asyncio
 import json
 import re
 import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 from typing import Annotated, Any
 
 import orjson
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
+from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
 from rlnode.bus import Bus
@@ -634,7 +636,10 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
 
 
 def _new_model(
-    org: TokenClaims, session: TinkerSession, body: dict[str, Any], source_of
+    org: TokenClaims,
+    session: TinkerSession,
+    body: dict[str, Any],
+    source_of: Callable[[str], str],
 ) -> TinkerModel:
     if body.get("model_seq_id") is None:
         raise ApiError(400, "model_seq_id is missing")
@@ -690,6 +695,6 @@ def _checkpoint_name(path: Any) -> str:
     return name
 
 
-def _exists(engine, path: str) -> bool:
+def _exists(engine: Engine, path: str) -> bool:
     with Session(engine) as s:
         return s.get(TinkerCheckpoint, path) is not None

@@ -68,6 +68,10 @@ class Calls:
             model.org_id, kind, model_id=model.model_id, **context
         )
         if idempotency_key is not None:
+            if len(self._idempotent) > 10_000:  # keys of forgotten futures go with them
+                self._idempotent = {
+                    k: v for k, v in self._idempotent.items() if self.futures.get(v) is not None
+                }
             self._idempotent[(model.org_id, idempotency_key)] = request_id
         call = TinkerCall(
             job_id=model.job_id, org_id=model.org_id, request_id=request_id, seq_id=seq, call=op
