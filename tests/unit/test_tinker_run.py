@@ -73,6 +73,7 @@ async def test_calls_are_answered_in_order_and_the_run_reports_as_a_job(model_di
     assert second.loss_sum < first.loss_sum  # one step of cross_entropy lowered the loss
     assert first.tokens == 7 and len(first.logprobs[0]) == 7
     assert results[2].step == 1 and results[5].step == 2 and results[2].grad_norm > 0
+    assert set(results[2].timings) == {"forward_backward_s", "optim_step_s"}
     assert results[3].checkpoint == "first"
     assert results[7].weight_version == 1 and results[7].weights_uri.endswith("sampled.safetensors")
     kinds = [e.type for e in transport.events]

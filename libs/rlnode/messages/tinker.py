@@ -127,6 +127,11 @@ class TinkerResult(Envelope):
     tokens: NonNegativeInt | None = None
     grad_norm: float | None = None
     step: NonNegativeInt | None = Field(None, description="Optimizer steps taken by the run.")
+    timings: dict[str, float] = Field(
+        default_factory=dict,
+        description="optim_step: the learner's seconds on the step's passes (forward_backward_s, "
+        "since the last step) and on the step itself (optim_step_s, its checkpoint included).",
+    )
     checkpoint: str | None = Field(None, description="save_weights: the checkpoint's name.")
     weight_version: NonNegativeInt | None = Field(
         None, description="save_for_sampler: the version the generators load."

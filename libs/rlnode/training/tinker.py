@@ -207,7 +207,8 @@ class TinkerRun:
             op.grad_clip_norm,
         )
         self.steps += 1
-        compute_s = self._pending_s + time.perf_counter() - started
+        passes_s = self._pending_s
+        compute_s = passes_s + time.perf_counter() - started
         tokens, loss = self._pending_tokens, self._pending_loss
         self._pending_loss, self._pending_tokens, self._pending_s = 0.0, 0, 0.0
         await self._event(
@@ -237,7 +238,8 @@ class TinkerRun:
             )
             self.checkpointed_seq = call.seq_id
             await asyncio.to_thread(self._prune_recovery)
-        return self._result(call, step=self.steps, grad_norm=grad_norm)
+        timings = {"forward_backward_s": passes_s, "optim_step_s": time.perf_counter() - started}
+        return self._result(call, step=self.steps, grad_norm=grad_norm, timings=timings)
 
     async def _load(self, call: TinkerCall, op: LoadWeights) -> TinkerResult:
         path = named_checkpoint(self.checkpoint_root, self.org_id, op.source_run, op.name)

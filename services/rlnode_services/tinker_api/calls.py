@@ -186,6 +186,8 @@ class Calls:
         if kind == "optim_step":
             self._update_model(model_id, steps=result.step or 0)
             metrics = {"grad_norm": result.grad_norm or 0.0, "step": float(result.step or 0)}
+            # What the learner spent (a cookbook recipe logs these beside its own times).
+            metrics |= {f"server/{name}": seconds for name, seconds in result.timings.items()}
             return Answer.json({"metrics": metrics})
         if kind == "save_weights":
             path = self._record_checkpoint(future, result, "training")
