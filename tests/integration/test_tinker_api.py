@@ -150,6 +150,12 @@ def test_a_loss_the_node_does_not_train_fails_its_future_naming_the_ones_it_does
     # The run goes on.
     out = training.forward_backward([sft_datum(SEQUENCE)], "cross_entropy").result(timeout=120)
     assert out.metrics["loss:sum"] > 0
+    # A checkpoint of adapters of another rank cannot be loaded into it: refused, not broken.
+    other = service.create_lora_training_client(base_model=BASE, rank=4).result(timeout=120)
+    path = other.save_state("rank-four").result(timeout=120).path
+    with pytest.raises(tinker.BadRequestError, match="LoRA rank 4"):
+        training.load_state(path).result(timeout=120)
+    assert training.forward([sft_datum(SEQUENCE)], "cross_entropy").result(timeout=120)
     service.close("success")
 
 

@@ -382,6 +382,13 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         )
         if body.get("model_id"):  # into an existing run (TrainingClient.load_state)
             model = model_of(org, str(body["model_id"]))
+            if (model.source, model.lora_config) != (source.source, source.lora_config):
+                raise ApiError(
+                    400,
+                    f"{path} is of a run of {source.base_model} (LoRA rank {source.lora_rank}); "
+                    f"{model.model_id} trains {model.base_model} (LoRA rank {model.lora_rank}): "
+                    "load it into a new training client (create_training_client_from_state)",
+                )
             request_id = await calls.submit(
                 model,
                 internal_seq(int(body.get("seq_id") or 0)),
