@@ -27,7 +27,12 @@ def node(tmp_path_factory):
     model = init_tiny_model(directory / "tiny", seed=0)
     models = json.dumps({BASE: str(model)})
     options = NodeOptions(
-        data_dir=directory / "node", env={"tinker-api": {"TINKER_API_BASE_MODELS": models}}
+        data_dir=directory / "node",
+        env={
+            "tinker-api": {"TINKER_API_BASE_MODELS": models},
+            # A test that fails leaves its session's runs open: the others still start theirs.
+            "learner": {"LEARNER_MAX_TINKER_RUNS": "16"},
+        },
     )
     with LocalNode(options) as running:
         supervision = Supervision(running)  # as `rlnode up` does: what dies starts again

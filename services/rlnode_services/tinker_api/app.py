@@ -147,6 +147,16 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
     def future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
         return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
 
+    @asynccontextmanager
+    async def keeping_place(model: TinkerModel, seq: int):
+        """A call refused in here still takes its place in the model's order (calls.skip):
+        the client numbered it, and its later calls must not wait for it."""
+        try:
+            yield
+        except ApiError:
+            await calls.skip(model.model_id, seq)
+            raise
+
     # -- the client's own settings -------------------------------------------------------------
 
     @app.post(API + "/client/config", tags=["tinker"])
@@ -292,6 +302,10 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         try:
             model_id, seq, op = wire.parse_forward_backward(body, content_encoding)
         except wire.WireError as e:
+            placed = wire.forward_backward_place(body, content_encoding)
+            if placed is not None:  # a request whose datums are refused keeps its place
+                async with keeping_place(model_of(org, placed[0]), internal_seq(placed[1])):
+                    raise ApiError(400, str(e)) from None
             raise ApiError(400, str(e)) from None
         model = model_of(org, model_id)
         touch(model)
@@ -307,15 +321,15 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
-        if body.get("adam_params") is None:
-            raise ApiError(400, "optim_step needs adam_params: this node's optimizer is AdamW")
-        try:
-            op = OptimStep.model_validate(body["adam_params"])
-        except ValueError as e:
-            raise ApiError(400, f"adam_params: {e}") from None
-        request_id = await calls.submit(
-            model, internal_seq(int(body.get("seq_id") or 0)), op, "optim_step", x_idempotency_key
-        )
+        seq = internal_seq(int(body.get("seq_id") or 0))
+        async with keeping_place(model, seq):
+            if body.get("adam_params") is None:
+                raise ApiError(400, "optim_step needs adam_params: this node's optimizer is AdamW")
+            try:
+                op = OptimStep.model_validate(body["adam_params"])
+            except ValueError as e:
+                raise ApiError(400, f"adam_params: {e}") from None
+        request_id = await calls.submit(model, seq, op, "optim_step", x_idempotency_key)
         return future(request_id, model.model_id)
 
     @app.post(API + "/save_weights", tags=["tinker"])
@@ -325,14 +339,17 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
-        name = _checkpoint_name(body.get("path"))
-        if not body.get("overwrite") and _exists(
-            engine, tinker_path(model.model_id, "training", name)
-        ):
-            raise ApiError(409, f"checkpoint {name!r} of {model.model_id} exists; pass overwrite")
+        seq = internal_seq(int(body.get("seq_id") or 0))
+        async with keeping_place(model, seq):
+            name = _checkpoint_name(body.get("path"))
+            path = tinker_path(model.model_id, "training", name)
+            if not body.get("overwrite") and _exists(engine, path):
+                raise ApiError(
+                    409, f"checkpoint {name!r} of {model.model_id} exists; pass overwrite"
+                )
         request_id = await calls.submit(
             model,
-            internal_seq(int(body.get("seq_id") or 0)),
+            seq,
             SaveWeights(name=name),
             "save_weights",
             x_idempotency_key,
@@ -348,15 +365,17 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
-        name = _checkpoint_name(body["path"]) if body.get("path") else None
-        context: dict[str, Any] = {"name": name, "user_metadata": body.get("user_metadata")}
-        if name is None:
-            if body.get("sampling_session_seq_id") is None:
-                raise ApiError(400, "name the weights (path) or give sampling_session_seq_id")
-            context["sampling_session_seq_id"] = int(body["sampling_session_seq_id"])
+        seq = internal_seq(int(body.get("seq_id") or 0))
+        async with keeping_place(model, seq):
+            name = _checkpoint_name(body["path"]) if body.get("path") else None
+            context: dict[str, Any] = {"name": name, "user_metadata": body.get("user_metadata")}
+            if name is None:
+                if body.get("sampling_session_seq_id") is None:
+                    raise ApiError(400, "name the weights (path) or give sampling_session_seq_id")
+                context["sampling_session_seq_id"] = int(body["sampling_session_seq_id"])
         request_id = await calls.submit(
             model,
-            internal_seq(int(body.get("seq_id") or 0)),
+            seq,
             SaveForSampler(name=name),
             "save_weights_for_sampler",
             x_idempotency_key,
@@ -371,27 +390,37 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         path = str(body.get("path") or "")
-        checkpoint = checkpoint_of(org, path)
-        if checkpoint.kind != "training":
-            raise ApiError(400, f"{path} holds sampler weights; load_weights takes weights/ paths")
-        source = model_of(org, checkpoint.model_id)
-        load = LoadWeights(
-            source_run=source.job_id,
-            name=checkpoint.name,
-            with_optimizer=bool(body.get("optimizer")),
-        )
+
+        def checkpoint_to_load() -> tuple[TinkerModel, LoadWeights]:
+            checkpoint = checkpoint_of(org, path)
+            if checkpoint.kind != "training":
+                raise ApiError(
+                    400, f"{path} holds sampler weights; load_weights takes weights/ paths"
+                )
+            source = model_of(org, checkpoint.model_id)
+            load = LoadWeights(
+                source_run=source.job_id,
+                name=checkpoint.name,
+                with_optimizer=bool(body.get("optimizer")),
+            )
+            return source, load
+
         if body.get("model_id"):  # into an existing run (TrainingClient.load_state)
             model = model_of(org, str(body["model_id"]))
-            if (model.source, model.lora_config) != (source.source, source.lora_config):
-                raise ApiError(
-                    400,
-                    f"{path} is of a run of {source.base_model} (LoRA rank {source.lora_rank}); "
-                    f"{model.model_id} trains {model.base_model} (LoRA rank {model.lora_rank}): "
-                    "load it into a new training client (create_training_client_from_state)",
-                )
+            seq = internal_seq(int(body.get("seq_id") or 0))
+            async with keeping_place(model, seq):
+                source, load = checkpoint_to_load()
+                if (model.source, model.lora_config) != (source.source, source.lora_config):
+                    raise ApiError(
+                        400,
+                        f"{path} is of a run of {source.base_model} (LoRA rank "
+                        f"{source.lora_rank}); {model.model_id} trains {model.base_model} (LoRA "
+                        f"rank {model.lora_rank}): load it into a new training client "
+                        "(create_training_client_from_state)",
+                    )
             request_id = await calls.submit(
                 model,
-                internal_seq(int(body.get("seq_id") or 0)),
+                seq,
                 load,
                 "load_weights",
                 x_idempotency_key,
@@ -399,6 +428,7 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
             )
             return future(request_id, model.model_id)
         # A new run from the checkpoint (create_training_client_from_state*).
+        source, load = checkpoint_to_load()
         session = session_of(org, str(body.get("session_id")))
         lora_config = json.loads(source.lora_config) if source.lora_config else None
         spec = {

@@ -43,7 +43,7 @@ class Calls:
     def __init__(self, bus: Bus, engine: Engine, futures: Futures) -> None:
         self.bus, self.engine, self.futures = bus, engine, futures
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
-        self._held: dict[str, dict[int, TinkerCall]] = defaultdict(dict)
+        self._held: dict[str, dict[int, TinkerCall | None]] = defaultdict(dict)
         # (org, X-Idempotency-Key) -> request id: the SDK's HTTP layer sends a call again
         # with the same key when it did not hear the answer; it gets the same future.
         self._idempotent: dict[tuple[str, str], str] = {}
@@ -114,31 +114,46 @@ class Calls:
                 s.merge(model)
         return request_id
 
-    async def _enqueue(self, model_id: str, call: TinkerCall, future: Future | None) -> None:
+    async def skip(self, model_id: str, seq: int) -> None:
+        """A call refused before it was queued (a 4xx at submission) still takes its place in
+        the model's order: the client numbered it, and the calls after it would otherwise wait
+        for it for ever."""
+        await self._enqueue(model_id, None, None, seq)
+
+    async def _enqueue(
+        self,
+        model_id: str,
+        call: TinkerCall | None,
+        future: Future | None,
+        seq: int | None = None,
+    ) -> None:
+        seq = call.seq_id if call is not None else seq
+        assert seq is not None, "a call, or the place of a refused one"
         async with self._locks[model_id]:
             with Session(self.engine) as s:
                 model = s.get(TinkerModel, model_id)
                 next_seq = model.next_seq if model is not None else 0
-            if call.seq_id < next_seq:
-                if future is not None:
+            if seq < next_seq:
+                if call is not None and future is not None:
                     self.futures.resolve(
                         call.request_id,
                         Answer.error(
-                            f"seq_id {call.seq_id - 1} of model {model_id} was used already: "
+                            f"seq_id {seq - 1} of model {model_id} was used already: "
                             "requests of a training client run in its order, once each",
                             "user",
                         ),
                     )
                 return
             held = self._held[model_id]
-            held[call.seq_id] = call
-            ready = []
+            held[seq] = call
+            ready: list[TinkerCall] = []
             while next_seq in held:
-                ready.append(held.pop(next_seq))
+                taken = held.pop(next_seq)
+                if taken is not None:  # None: a refused call's place, passed over
+                    ready.append(taken)
                 next_seq += 1
-            if not ready:
-                return
-            await self.bus.publish_all(ready)
+            if ready:
+                await self.bus.publish_all(ready)
             with session_scope(self.engine) as s:
                 stored = s.get(TinkerModel, model_id)
                 if stored is not None:

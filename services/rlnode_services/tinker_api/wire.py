@@ -58,6 +58,21 @@ def parse_forward_backward(
     return request.model_id, request.seq_id, op
 
 
+def forward_backward_place(
+    body: bytes, content_encoding: str | None = None
+) -> tuple[str, int] | None:
+    """(model_id, seq_id) of a ForwardBackwardRequest whose datums are refused, if the
+    message itself parses (its place in the model's order is kept)."""
+    try:
+        if content_encoding == "zstd":
+            body = zstandard.ZstdDecompressor().decompress(body, max_output_size=MAX_BODY_BYTES)
+        request = pb.ForwardBackwardRequest()
+        request.ParseFromString(body)
+    except Exception:
+        return None
+    return (request.model_id, request.seq_id) if request.model_id else None
+
+
 def _datum(datum: pb.Datum, index: int) -> TinkerDatum:
     tokens: list[int] = []
     for chunk in datum.model_input:
