@@ -143,7 +143,7 @@ bench-breadth: setup
 	$(BIN)/python bench/breadth.py
 
 bench-tinker: setup
-	$(BIN)/python bench/tinker.py
+	$(BIN)/python bench/tinker_api.py
 
 bench-methods: setup
 	$(BIN)/python bench/lora_sync.py

@@ -13,7 +13,7 @@ the recipe's sampling, its train step (forward_backward and optim_step as the le
 them, `server/*` in its metrics, and the rest: client and transport), and save-for-sampler;
 the job's into generation, training and the rest. Writes bench/results/tinker.{json,md,png}.
 
-    python bench/tinker.py [--steps 8] [--prompts 4] [--group 4] [--lr 1e-4] [--rank 8]
+    python bench/tinker_api.py [--steps 8] [--prompts 4] [--group 4] [--lr 1e-4] [--rank 8]
                            [--max-tokens 8] [--eval-questions 32]
 """
 
