@@ -20,7 +20,7 @@ import orjson
 from fastapi import Depends, FastAPI, Header, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy.engine import Engine
-from sqlmodel import Session, col, select
+from sqlmodel import Session, col, func, select
 
 from rlnode.bus import Bus
 from rlnode.bus.signing import signing_for
@@ -136,6 +136,20 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
             raise ApiError(404, f"no checkpoint {path!r}")
         return found
 
+    def newest(table: Any, org: TokenClaims, limit: int, offset: int) -> tuple[list[Any], int]:
+        """A page of the org's rows of `table`, newest first, and how many it has in all."""
+        where = table.org_id == org.org_id
+        with Session(engine) as s:
+            total = s.exec(select(func.count()).select_from(table).where(where)).one()
+            rows = s.exec(
+                select(table)
+                .where(where)
+                .order_by(col(table.created_at).desc())
+                .offset(offset)
+                .limit(limit)
+            ).all()
+        return list(rows), total
+
     def source_of(base_model: str) -> str:
         return settings.base_models.get(base_model, base_model)
 
@@ -240,14 +254,7 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
 
     @app.get(API + "/sessions", tags=["tinker"])
     async def list_sessions(org: Org, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        with Session(engine) as s:
-            rows = s.exec(
-                select(TinkerSession)
-                .where(TinkerSession.org_id == org.org_id)
-                .order_by(col(TinkerSession.created_at).desc())
-                .offset(offset)
-                .limit(limit)
-            ).all()
+        rows, _total = newest(TinkerSession, org, limit, offset)
         return {"sessions": [r.session_id for r in rows]}
 
     # -- training runs ---------------------------------------------------------------------------
@@ -613,12 +620,7 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
 
     @app.get(API + "/training_runs", tags=["tinker"])
     async def training_runs(org: Org, limit: int = 20, offset: int = 0) -> dict[str, Any]:
-        with Session(engine) as s:
-            query = select(TinkerModel).where(TinkerModel.org_id == org.org_id)
-            total = len(s.exec(query).all())
-            rows = s.exec(
-                query.order_by(col(TinkerModel.created_at).desc()).offset(offset).limit(limit)
-            ).all()
+        rows, total = newest(TinkerModel, org, limit, offset)
         return {
             "training_runs": [run_json(m) for m in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total},
@@ -641,12 +643,7 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
 
     @app.get(API + "/checkpoints", tags=["tinker"])
     async def all_checkpoints(org: Org, limit: int = 100, offset: int = 0) -> dict[str, Any]:
-        with Session(engine) as s:
-            query = select(TinkerCheckpoint).where(TinkerCheckpoint.org_id == org.org_id)
-            total = len(s.exec(query).all())
-            rows = s.exec(
-                query.order_by(col(TinkerCheckpoint.created_at).desc()).offset(offset).limit(limit)
-            ).all()
+        rows, total = newest(TinkerCheckpoint, org, limit, offset)
         return {
             "checkpoints": [checkpoint_json(c) for c in rows],
             "cursor": {"offset": offset, "limit": limit, "total_count": total},
