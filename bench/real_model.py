@@ -42,7 +42,7 @@ from bench_common import RESULTS, trl_grpo_config, write_results
 from rlnode.examples import example_job
 from rlnode.examples.taskapps import arithmetic
 from rlnode.messages import JobConfig, JobEventType
-from rlnode.messages.config import EvalSeeds
+from rlnode.messages.config import EvalSeeds, LoraSpec
 from rlnode.models.catalogue import packaged_gguf
 from rlnode.models.gguf import import_gguf
 
@@ -227,7 +227,14 @@ def run_trl(model: Path, args, workdir: Path, mode: str) -> dict:
 # -- rlnode, the services ---------------------------------------------------------------------
 
 
-def rlnode_job(model: Path, args) -> JobConfig:
+def rlnode_job(
+    model: Path,
+    args,
+    env_config: dict | None = None,
+    lora: LoraSpec | None = None,
+) -> JobConfig:
+    """The arithmetic job of `args` (steps, prompts, group, lr, max_async, max_tokens,
+    temperature, eval_every, eval_seeds); `env_config` (default ENV_CONFIG), LoRA adapters."""
     config = example_job(
         "arithmetic_smollm2",
         model,
@@ -251,9 +258,15 @@ def rlnode_job(model: Path, args) -> JobConfig:
             "max_tokens": args.max_tokens,
         }
     )
-    task_app = config.task_app.model_copy(update={"env_config": ENV_CONFIG})
+    task_app = config.task_app.model_copy(update={"env_config": env_config or ENV_CONFIG})
+    training = config.training.model_copy(update={"lora": lora})
     return config.model_copy(
-        update={"sampling": sampling, "eval": evaluation, "task_app": task_app}
+        update={
+            "training": training,
+            "sampling": sampling,
+            "eval": evaluation,
+            "task_app": task_app,
+        }
     )
 
 

@@ -32,11 +32,9 @@ import time
 from pathlib import Path
 
 from bench_common import RESULTS, write_results
-from real_model import run_rlnode
+from real_model import rlnode_job, run_rlnode
 
-from rlnode.examples import example_job
-from rlnode.messages import JobConfig
-from rlnode.messages.config import EvalSeeds, LoraSpec
+from rlnode.messages.config import LoraSpec
 from rlnode.models.catalogue import packaged_gguf
 from rlnode.models.gguf import import_gguf
 from rlnode.service.auth import TINKER_KEY_PREFIX, Scope
@@ -56,7 +54,12 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--eval-questions", type=int, default=32)
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy to reach")
-    return parser.parse_args()
+    parser.add_argument("--max-async", type=int, default=1, help="the job's")
+    parser.add_argument("--temperature", type=float, default=0.7, help="the job's")
+    args = parser.parse_args()
+    # The job evaluates at its start and end, on as many held-out questions as the API run.
+    args.eval_every, args.eval_seeds = args.steps, args.eval_questions
+    return args
 
 
 # -- the Tinker API: the recipe, and a held-out check through the SDK --------------------------
@@ -159,42 +162,6 @@ def heldout_accuracy(node, key: str, model: Path, args, sampler_path: str | None
     return right / args.eval_questions
 
 
-# -- the same task as an rlnode job -----------------------------------------------------------
-
-
-def job_config(model: Path, args) -> JobConfig:
-    config = example_job(
-        "arithmetic_smollm2",
-        model,
-        steps=args.steps,
-        prompts_per_step=args.prompts,
-        group_size=args.group,
-        learning_rate=args.lr,
-        checkpoint_every=args.steps,
-        weight_sync_every=1,
-    )
-    training = config.training.model_copy(update={"lora": LoraSpec(rank=args.rank, alpha=32)})
-    sampling = config.sampling.model_copy(update={"max_tokens": args.max_tokens})
-    assert config.eval is not None
-    evaluation = config.eval.model_copy(
-        update={
-            "every": args.steps,
-            "at_start": True,
-            "seeds": EvalSeeds(start=1_000_000, count=args.eval_questions),
-            "max_tokens": args.max_tokens,
-        }
-    )
-    task_app = config.task_app.model_copy(update={"env_config": ENV_CONFIG})
-    return config.model_copy(
-        update={
-            "training": training,
-            "sampling": sampling,
-            "eval": evaluation,
-            "task_app": task_app,
-        }
-    )
-
-
 # -- the run ---------------------------------------------------------------------------------
 
 
@@ -227,7 +194,10 @@ def main() -> None:
         api = run_recipe(node, key, model, args, workdir / "math_rl")
         api["heldout_before"] = before
         api["heldout_after"] = heldout_accuracy(node, key, model, args, api["sampler_path"])
-        job = asyncio.run(run_rlnode(node, org, model, args, job_config(model, args)))
+        # The same task as a job: real_model's arithmetic job, sums to 100, LoRA adapters.
+        lora = LoraSpec(rank=args.rank, alpha=32)
+        job = rlnode_job(model, args, env_config=ENV_CONFIG, lora=lora)
+        job = asyncio.run(run_rlnode(node, org, model, args, job))
     report(api, job, args)
 
 
