@@ -54,7 +54,16 @@ def arguments() -> argparse.Namespace:
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--eval-questions", type=int, default=32)
     parser.add_argument("--target", type=float, default=0.5, help="held-out accuracy to reach")
-    parser.add_argument("--max-async", type=int, default=1, help="the job's")
+    parser.add_argument(
+        "--max-async",
+        type=int,
+        default=1,
+        help="steps sampling may run ahead of training: the job's max_async and the recipe's "
+        "max_steps_off_policy (0: both synchronous)",
+    )
+    parser.add_argument(
+        "--loss", default="ppo", help="the recipe's loss_fn (the job's grpo clips as ppo does)"
+    )
     parser.add_argument("--temperature", type=float, default=0.7, help="the job's")
     args = parser.parse_args()
     # The job evaluates at its start and end, on as many held-out questions as the API run.
@@ -80,7 +89,7 @@ def run_recipe(node, key: str, model: Path, args, log_path: Path) -> dict:
         "env=arithmetic",
         f"model_name={model}",
         f"renderer_name={RENDERER}",
-        "loss_fn=importance_sampling",
+        f"loss_fn={args.loss}",
         f"group_size={args.group}",
         f"groups_per_batch={args.prompts}",
         f"max_tokens={args.max_tokens}",
@@ -92,6 +101,8 @@ def run_recipe(node, key: str, model: Path, args, log_path: Path) -> dict:
         f"log_path={log_path}",
         "behavior_if_log_dir_exists=delete",
     ]
+    if args.max_async:  # sampling runs ahead of training, as the job's generators do
+        command.append(f"max_steps_off_policy={args.max_async}")
     started = time.perf_counter()
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=7200)
     wall_s = time.perf_counter() - started
@@ -110,11 +121,14 @@ def run_recipe(node, key: str, model: Path, args, log_path: Path) -> dict:
                 "reward_mean": row["env/all/reward/total"],
                 "correct": row["env/all/correct"],
                 "total_s": row["time/total"],
+                # Async: sampling runs beside training, and the step waits for it only when
+                # it fell behind (time/sampling is then absent).
                 "sampling_s": row.get("time/sampling", 0.0),
-                "train_step_s": row["time/train_step"],
+                "train_step_s": row.get("time/train_step", 0.0),
                 "forward_backward_s": passes,
                 "optim_step_s": optim,
                 "save_for_sampler_s": row.get("time/save_checkpoint_and_get_sampling_client", 0.0),
+                "timings": {k: v for k, v in row.items() if k.startswith("time/")},
             }
         )
     saved = [json.loads(line) for line in (log_path / "checkpoints.jsonl").open()]

@@ -5,6 +5,7 @@ summed, never normalised, accumulated until an optimizer step."""
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -163,6 +164,50 @@ def test_zero_weights_train_nothing_and_signed_weights_push_down(model_dir) -> N
     trainer.optim_step(1e-2, grad_clip_norm=1.0)
     after = trainer.score(sequence)
     assert after[-1] < before[-1]
+
+
+def test_positions_without_a_gradient_and_kept_activations_change_nothing(model_dir) -> None:
+    """Logprobs of positions a loss has no gradient at are computed without one, and short
+    passes keep their activations: the same logprobs and the same step as differentiating
+    every position and recomputing every layer."""
+    # The second datum is of a group of equal rewards: no gradient anywhere, scored alone.
+    advantages = [[0.0] * 3 + [1.0, -0.5], [0.0, 0.0, 0.0], [0.0] * 5 + [1.0, 0.0]]
+    datums = [
+        TokenDatum(s[:-1], s[1:], {"logprobs": [-2.0] * (len(s) - 1), "advantages": a})
+        for s, a in zip(SEQUENCES, advantages, strict=True)
+    ]
+    loss = TokenLoss.of("importance_sampling")
+    assert loss.differentiated(datums[0].inputs, 5) == [False] * 3 + [True] * 2
+    assert TokenLoss.of("dro", {"beta": 0.1}).differentiated(datums[1].inputs, 3) == [True] * 3
+
+    class EveryPosition(TokenLoss):  # the loss, with no position left out
+        def differentiated(self, inputs, tokens):
+            return [True] * tokens
+
+    everywhere = EveryPosition("importance_sampling", {})
+    trainers, passes = [], []
+    for chosen, recompute_from in ((everywhere, 0), (loss, 0), (loss, 10**6)):
+        trainer = _trainer(model_dir, activation_checkpointing=True)
+        trainer.config = replace(trainer.config, recompute_from_tokens=recompute_from)
+        passes.append(trainer.forward_backward(datums, chosen))
+        trainer.optim_step(1e-2)
+        trainers.append(trainer)
+    for other, trainer in zip(passes[1:], trainers[1:], strict=True):
+        assert other.loss_sum == pytest.approx(passes[0].loss_sum, rel=1e-5)
+        for a, b in zip(other.logprobs, passes[0].logprobs, strict=True):
+            assert a == pytest.approx(b, abs=1e-5)
+        for a, b in zip(trainer.model.parameters(), trainers[0].model.parameters(), strict=True):
+            assert torch.allclose(a, b, atol=1e-6)
+    assert not torch.equal(
+        next(trainers[0].model.parameters()), next(_trainer(model_dir).model.parameters())
+    )
+    # A pass whose every advantage is 0 (a group of equal rewards) trains nothing, and fails
+    # nothing.
+    flat = [
+        TokenDatum(d.input_ids, d.targets, {**d.inputs, "advantages": [0.0] * d.tokens})
+        for d in datums
+    ]
+    assert trainers[1].forward_backward(flat, loss).loss_sum == 0.0
 
 
 def test_over_two_ranks_a_pass_and_a_step_equal_one_process(model_dir) -> None:

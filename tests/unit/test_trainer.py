@@ -122,6 +122,12 @@ def test_published_weights_load_in_the_engine_with_parity(model_dir, tmp_path) -
     assert [p.name for p in (tmp_path / "weights").iterdir()] == [
         "v1.safetensors"
     ]  # no temp file left
+    # The tied output layer is the embedding: in the file once, and the engine's logits
+    # follow the trained embedding.
+    written = load_file(str(tmp_path / "weights" / "v1.safetensors"))
+    assert "lm_head.weight" not in written and "model.embed_tokens.weight" in written
+    unique = {p.data_ptr(): p.numel() * 4 for p in trainer.model.state_dict().values()}
+    assert sum(unique.values()) < size < sum(unique.values()) + 16_384  # plus the header
     engine = TorchEngine(model_dir)
     asyncio.run(engine.load_weights(tmp_path / "weights" / "v1.safetensors", version=1))
     probe = [1, 4, 44, 30, 31, 40, 83, 100, 16]

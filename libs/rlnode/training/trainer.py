@@ -65,6 +65,9 @@ class TrainerConfig:
     seed: int
     logit_chunk_tokens: int = 64
     activation_checkpointing: bool = False
+    # With activation_checkpointing: a pass of fewer (padded) tokens keeps its activations,
+    # as recomputing them costs a quarter of its time (0: every pass recomputes).
+    recompute_from_tokens: int = 0
     lora: LoraSpec | None = None  # train adapters on a frozen base (rlnode.models.lora)
 
     @classmethod
@@ -184,15 +187,27 @@ class CompletionLogprobs(torch.nn.Module):
         positions: torch.Tensor,
         temperature: float,
         targets: torch.Tensor | None = None,
+        graded: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The logprob of token `input_ids[r, p + 1]` (or `targets[i]`) after
-        `input_ids[r, : p + 1]`, for each (r, p) in zip(rows, positions)."""
+        `input_ids[r, : p + 1]`, for each (r, p) in zip(rows, positions); where `graded`
+        (one bool per pair) is False, without a gradient."""
         hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask)
         chosen = hidden.last_hidden_state[rows, positions]
         weight = self.lm.get_output_embeddings().weight
         if targets is None:
             targets = input_ids[rows, positions + 1]
-        return token_logprobs(chosen, weight, targets, temperature, self.chunk_tokens)
+        # With no position graded the pass still gets a graph (its gradients are 0): every
+        # rank of a sharded model runs the same backward.
+        if graded is None or not torch.is_grad_enabled() or bool(graded.all() | ~graded.any()):
+            return token_logprobs(chosen, weight, targets, temperature, self.chunk_tokens)
+        with torch.no_grad():
+            out = token_logprobs(chosen, weight, targets, temperature, self.chunk_tokens)
+        picked = graded.nonzero().squeeze(-1)
+        with_grad = token_logprobs(
+            chosen[picked], weight, targets[picked], temperature, self.chunk_tokens
+        )
+        return out.index_put((picked,), with_grad)
 
 
 def completion_logprobs(
@@ -239,22 +254,30 @@ def completion_logprobs(
 
 
 def datum_logprobs(
-    model: torch.nn.Module, batch: list[TokenDatum], device: str, pad_id: int
+    model: torch.nn.Module,
+    batch: list[TokenDatum],
+    device: str,
+    pad_id: int,
+    loss: TokenLoss | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs (temperature 1) of each datum's target at every position, right-padded into
-    [rows, longest datum], and the mask of real positions."""
+    [rows, longest datum], and the mask of real positions. With `loss`, only the positions
+    it has a gradient at are differentiable."""
     width = max(d.tokens for d in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width))
     rows: list[int] = []
     positions: list[int] = []
     targets: list[int] = []
+    graded: list[bool] = []
     for row, d in enumerate(batch):
         input_ids[row, : d.tokens] = torch.tensor(d.input_ids)
         mask[row, : d.tokens] = 1.0
         rows.extend([row] * d.tokens)
         positions.extend(range(d.tokens))
         targets.extend(d.targets)
+        if loss is not None:
+            graded.extend(loss.differentiated(d.inputs, d.tokens))
     index_rows, index_positions = torch.tensor(rows), torch.tensor(positions)
     flat = model(
         input_ids.to(device),
@@ -263,10 +286,25 @@ def datum_logprobs(
         index_positions.to(device),
         1.0,
         torch.tensor(targets, device=device),
+        torch.tensor(graded, device=device) if loss is not None else None,
     )
     out = torch.zeros((len(batch), width), device=device, dtype=flat.dtype)
     out = out.index_put((index_rows.to(device), index_positions.to(device)), flat)
     return out, mask.to(device)
+
+
+def _tied_output_name(model: Any) -> str | None:
+    """The state-dict name of the output layer's weight when it is the input embedding's
+    tensor (tied weights), else None."""
+    if not getattr(model.config, "tie_word_embeddings", False):
+        return None
+    output, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    if output is None or embedding is None or output.weight is not embedding.weight:
+        return None
+    for name, module in model.named_modules(remove_duplicate=False):
+        if module is output:
+            return f"{name}.weight"
+    return None
 
 
 def _padded(rows: list[list[float]], width: int, device: str) -> torch.Tensor:
@@ -551,21 +589,53 @@ class Trainer:
         next `optim_step` applies them all. Returns every datum's logprobs of its targets."""
         if not datums:
             raise ValueError("a forward pass needs at least one datum")
-        order = list(range(len(datums)))[self.rank :: self.world]
+        logprobs: dict[int, list[float]] = {}
+        # A datum the loss has no gradient at (every advantage 0: a group of equal rewards)
+        # is only scored, as the job loop drops such groups: no backward pass for it.
+        graded = [backward and any(loss.differentiated(d.inputs, d.tokens)) for d in datums]
+        loss_sum = 0.0
+        for differentiate in (True, False):
+            chosen = [i for i, g in enumerate(graded) if g == differentiate]
+            if chosen:  # the same on every rank: they all pass the same datums
+                loss_sum += self._passes(datums, chosen, loss, differentiate, logprobs)
+        (loss_sum,) = _all_reduce([loss_sum], self.device)
+        if self.world > 1:
+            shares: list[Any] = [None] * self.world
+            dist.all_gather_object(shares, logprobs)
+            for share in shares:
+                logprobs.update(share)
+        return TokenPass(
+            logprobs=[logprobs[i] for i in range(len(datums))],
+            loss_sum=loss_sum,
+            tokens=sum(d.tokens for d in datums),
+        )
+
+    def _passes(
+        self,
+        datums: list[TokenDatum],
+        chosen: list[int],
+        loss: TokenLoss,
+        backward: bool,
+        logprobs: dict[int, list[float]],
+    ) -> float:
+        """This rank's share of `chosen` datums in micro-batches: their logprobs into
+        `logprobs` (by datum index), and with `backward` their gradients accumulated.
+        Returns this rank's loss sum."""
+        order = chosen[self.rank :: self.world]
         mine = [datums[i] for i in order]
         batches = micro_batches(mine, self.config.tokens_per_micro_batch)
         if self.world > 1:  # every rank runs as many passes (each gathers the shards)
             (most,) = _all_reduce([float(len(batches))], self.device, ("max",))
             batches = equal_micro_batches(mine, self.config.tokens_per_micro_batch, int(most))
-        logprobs: dict[int, list[float]] = {}
         loss_sum = 0.0
         position = {id(d): i for i, d in zip(order, mine, strict=True)}
         for batch in batches:
             weight = 1.0
             if not batch:  # this rank's share ran out: the same passes, contributing nothing
-                batch, weight = mine[:1] or datums[:1], 0.0
+                batch, weight = mine[:1] or [datums[chosen[0]]], 0.0
+            self._recompute_activations(len(batch) * max(d.tokens for d in batch))
             with torch.set_grad_enabled(backward), self._autocast():
-                lp, mask = datum_logprobs(self.policy, batch, self.device, self.pad_id)
+                lp, mask = datum_logprobs(self.policy, batch, self.device, self.pad_id, loss)
                 width = lp.shape[1]
                 inputs = {
                     key: _padded([d.inputs[key] for d in batch], width, self.device)
@@ -579,17 +649,15 @@ class Trainer:
             if weight:
                 for row, d in enumerate(batch):
                     logprobs[position[id(d)]] = lp[row, : d.tokens].detach().float().tolist()
-        (loss_sum,) = _all_reduce([loss_sum], self.device)
-        if self.world > 1:
-            shares: list[Any] = [None] * self.world
-            dist.all_gather_object(shares, logprobs)
-            for share in shares:
-                logprobs.update(share)
-        return TokenPass(
-            logprobs=[logprobs[i] for i in range(len(datums))],
-            loss_sum=loss_sum,
-            tokens=sum(d.tokens for d in datums),
-        )
+        return loss_sum
+
+    def _recompute_activations(self, tokens: int) -> None:
+        if not self.config.activation_checkpointing:
+            return
+        recompute = tokens >= self.config.recompute_from_tokens
+        for module in self.model.modules():
+            if hasattr(module, "gradient_checkpointing"):
+                module.gradient_checkpointing = recompute
 
     def optim_step(
         self,
@@ -674,7 +742,13 @@ class Trainer:
 
     def _published_state(self) -> dict[str, Any]:
         if self.adapted is None:
-            return dict(self.model.state_dict())
+            state = dict(self.model.state_dict())
+            # A tied output layer is the embedding: written once, as save_pretrained does
+            # (SmolLM2's version was 651 MB for 538 MB of parameters); loaders tie it back.
+            tied = _tied_output_name(self.model)
+            if tied is not None:
+                state.pop(tied, None)
+            return state
         from peft import get_peft_model_state_dict
 
         state = dict(get_peft_model_state_dict(self.adapted))

@@ -139,6 +139,13 @@ class LearnerSettings(VaultClientSettings):
         description="Tokens in one forward and backward pass of a Tinker API run (its datums "
         "are split into passes of at most this many; one longer datum is a pass alone).",
     )
+    tinker_recompute_from_tokens: int = Field(
+        2048,
+        ge=0,
+        description="A Tinker API run's pass of at least this many tokens (rows x longest) "
+        "recomputes its activations in the backward pass; a smaller one keeps them, a quarter "
+        "faster (0: every pass recomputes).",
+    )
     tinker_checkpoint_every: int = Field(
         1,
         ge=1,

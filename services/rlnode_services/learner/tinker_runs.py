@@ -136,6 +136,7 @@ class TinkerRuns:
             self.settings.device_list,
             self.transport,
             tokens_per_micro_batch=self.settings.tinker_tokens_per_micro_batch,
+            recompute_from_tokens=self.settings.tinker_recompute_from_tokens,
             checkpoint_every=self.settings.tinker_checkpoint_every,
             weights_root=self.settings.node.weights_store,
             weights_dtype=self.settings.engine_dtype,

@@ -16,7 +16,7 @@ itself, and sends the gradient back as the signed `weights` of a cross_entropy p
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -87,6 +87,16 @@ class TokenLoss:
                 f"datum {datum} has no {', '.join(missing)} in loss_fn_inputs, which "
                 f"{self.name} needs (it reads {', '.join(('target_tokens', *INPUTS[self.name]))})"
             )
+
+    def differentiated(self, inputs: Mapping[str, Sequence[float]], tokens: int) -> list[bool]:
+        """Which of a datum's positions this loss has a gradient at: the others' logprobs
+        are computed without one (the client still gets them), which spares their share of
+        the backward pass. A position weighted 0 (cross_entropy) or with advantage 0 has
+        none, except under dro, whose penalty on the log-ratio has one everywhere."""
+        if self.name == "dro":
+            return [True] * tokens
+        scale = inputs["weights" if self.name == "cross_entropy" else "advantages"]
+        return [value != 0.0 for value in scale]
 
     def per_token(self, logprobs: torch.Tensor, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
         """The loss of each token (same shape as `logprobs`; padding gets 0 from the caller's
