@@ -10,6 +10,7 @@ import httpx
 
 from rlnode.sdk.local_node import discovered_url
 from rlnode.service.auth import AuthError, read_unverified
+from rlnode.service.pooled_http import IDLE_CONNECTION_S
 from rlnode.service.registry import ServiceSpec
 
 
@@ -49,7 +50,12 @@ class ApiClient:
     ) -> None:
         self.url = service_url(self.spec, url)
         self.token = token
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=timeout_s,
+            transport=transport,
+            limits=httpx.Limits(keepalive_expiry=IDLE_CONNECTION_S),
+        )
 
     def close(self) -> None:
         self._http.close()

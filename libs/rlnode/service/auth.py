@@ -303,7 +303,13 @@ class VaultTokenVerifier(TokenVerifier):
         import httpx
 
         self.vault_url = vault_url.rstrip("/")
-        self._http = httpx.Client(base_url=self.vault_url, timeout=timeout_s)
+        from rlnode.service.pooled_http import IDLE_CONNECTION_S
+
+        self._http = httpx.Client(
+            base_url=self.vault_url,
+            timeout=timeout_s,
+            limits=httpx.Limits(keepalive_expiry=IDLE_CONNECTION_S),
+        )
         self._revoked: frozenset[str] = frozenset()
         self._fetched_at = float("-inf")
         self._refresh_s = refresh_s

@@ -17,6 +17,11 @@ from typing import Any
 import aiohttp
 import orjson
 
+# uvicorn closes a connection idle for 5 s. A client that keeps one that long can send a
+# request down it as the server closes it, and gets no answer (httpx: ReadError); the
+# clients of this codebase's services let theirs go sooner (httpx: keepalive_expiry).
+IDLE_CONNECTION_S = 4.0
+
 
 class HttpCallError(Exception):
     """An HTTP call that got no response; the message says where and why."""
@@ -64,7 +69,7 @@ class PooledHttp:
         *,
         max_connections: int = 1024,
         connect_timeout_s: float = 10.0,
-        keepalive_s: float = 4.0,
+        keepalive_s: float = IDLE_CONNECTION_S,
         headers: dict[str, str] | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/") if base_url else None

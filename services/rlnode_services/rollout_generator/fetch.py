@@ -48,6 +48,7 @@ import httpx
 
 from rlnode.messages import WeightVersion
 from rlnode.service.files import PRIVATE_FILE_MODE, private_dir
+from rlnode.service.pooled_http import IDLE_CONNECTION_S
 from rlnode.service.ranges import quoted_etag
 from rlnode.service.stores import job_dir
 from rlnode.training.storage import temporary_sibling
@@ -154,6 +155,7 @@ class WeightsFetcher:
         token = settings.service_token.get_secret_value() if settings.service_token else None
         self._http = httpx.Client(
             timeout=settings.weights_fetch_timeout_s,
+            limits=httpx.Limits(keepalive_expiry=IDLE_CONNECTION_S),
             headers={"Authorization": f"Bearer {token}"} if token else {},
         )
         self._stopping = threading.Event()

@@ -13,6 +13,7 @@ import httpx
 
 from rlnode.messages.config import LoraSpec
 from rlnode.messages.tinker import SampleRequest, SampleResult
+from rlnode.service.pooled_http import IDLE_CONNECTION_S
 from rlnode_services.tinker_api import wire
 from rlnode_services.tinker_api.futures import Answer, Futures
 from rlnode_services.tinker_api.settings import TinkerApiSettings
@@ -104,7 +105,10 @@ class Sampling:
         token = self.settings.service_token
         headers = {"Authorization": f"Bearer {token.get_secret_value()}"} if token else {}
         if self._client is None:
-            self._client = httpx.AsyncClient(timeout=self.settings.sample_timeout_s)
+            self._client = httpx.AsyncClient(
+                timeout=self.settings.sample_timeout_s,
+                limits=httpx.Limits(keepalive_expiry=IDLE_CONNECTION_S),
+            )
         last: str = ""
         for _ in range(len(generators)):  # the next one when one cannot be reached
             url = generators[next(self._next) % len(generators)] + "/v1/tinker/sample"
