@@ -121,9 +121,10 @@ def run_recipe(node, key: str, model: Path, args, log_path: Path) -> dict:
                 "reward_mean": row["env/all/reward/total"],
                 "correct": row["env/all/correct"],
                 "total_s": row["time/total"],
-                # Async: sampling runs beside training, and the step waits for it only when
-                # it fell behind (time/sampling is then absent).
-                "sampling_s": row.get("time/sampling", 0.0),
+                # Async: sampling runs beside training (time/sampling is then absent; a
+                # group's sampling took time/sampling_time_mean), and the step waits for it
+                # only when it fell behind.
+                "sampling_s": row.get("time/sampling", row.get("time/sampling_time_mean", 0.0)),
                 "train_step_s": row.get("time/train_step", 0.0),
                 "forward_backward_s": passes,
                 "optim_step_s": optim,
@@ -219,6 +220,10 @@ def report(api: dict, job: dict, args) -> None:
     def mean(rows: list[dict], key: str) -> float:
         return statistics.fmean(r[key] for r in rows) if rows else 0.0
 
+    def ends(rows: list[dict], end: int) -> float:  # the mean reward of the first/last 5
+        part = rows[:5] if end == 0 else rows[-5:]
+        return statistics.fmean(r["reward_mean"] for r in part)
+
     steps = api["steps"]
     api_step = mean(steps, "total_s")
     job_steps = job["steps"]
@@ -230,18 +235,19 @@ def report(api: dict, job: dict, args) -> None:
         f"{args.rank}, lr {args.lr}, {args.max_tokens} tokens; held-out: greedy on "
         f"{args.eval_questions} questions.",
         "",
-        "| system | held-out before -> after | reward, first -> last step | seconds per step |",
+        "| system | held-out before -> after | reward, first 5 -> last 5 steps | seconds per step |",
         "|---|---|---|---|",
         f"| Tinker API (math_rl recipe) | {api['heldout_before']:.3f} -> {api['heldout_after']:.3f} "
-        f"| {steps[0]['reward_mean']:.3f} -> {steps[-1]['reward_mean']:.3f} | {api_step:.1f} |",
+        f"| {ends(steps, 0):.3f} -> {ends(steps, -1):.3f} | {api_step:.1f} |",
         f"| rlnode job | {job['evals'][0]['accuracy']:.3f} -> {job['evals'][-1]['accuracy']:.3f} "
-        f"| {job_steps[0]['reward_mean']:.3f} -> {job_steps[-1]['reward_mean']:.3f} "
+        f"| {ends(job_steps, 0):.3f} -> {ends(job_steps, -1):.3f} "
         f"| {job_step:.1f} |",
         "",
         f"API per step over the job's: **{api_step / job_step:.2f}x** (goal: at most 1.2x).",
         "",
         "Seconds per step of the API run: sampling "
-        f"{mean(steps, 'sampling_s'):.2f}, train step {mean(steps, 'train_step_s'):.2f} (the "
+        f"{mean(steps, 'sampling_s'):.2f} ({'beside' if args.max_async else 'before'} "
+        f"training), train step {mean(steps, 'train_step_s'):.2f} (the "
         f"learner's forward_backward {mean(steps, 'forward_backward_s'):.2f} and optim_step "
         f"{mean(steps, 'optim_step_s'):.2f}; client and transport "
         f"{mean(steps, 'train_step_s') - learner:.2f}), save-for-sampler "
