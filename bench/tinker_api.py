@@ -117,7 +117,7 @@ def run_recipe(node, key: str, model: Path, args, log_path: Path) -> dict:
         optim = row.get("server/optim_step_s", 0.0)
         steps.append(
             {
-                "step": row["step"] + 1,
+                "step": row["training_client/step"] + 1,  # "step" counts from 1 already
                 "reward_mean": row["env/all/reward/total"],
                 "correct": row["env/all/correct"],
                 "total_s": row["time/total"],
@@ -244,6 +244,11 @@ def report(api: dict, job: dict, args) -> None:
         f"| {job_step:.1f} |",
         "",
         f"API per step over the job's: **{api_step / job_step:.2f}x** (goal: at most 1.2x).",
+        "",
+        "Rewards are each system's own: the recipe's 1 for the right sum and -0.1 for an "
+        "answer it cannot parse; the arithmetic Task App's 0.8 for the right sum plus 0.2 for "
+        "the number alone. Held-out accuracy, greedy: for the API the recipe's own questions "
+        "and prompt from a seed it never draws; for the job its evaluation on held-out seeds.",
         "",
         "Seconds per step of the API run: sampling "
         f"{mean(steps, 'sampling_s'):.2f} ({'beside' if args.max_async else 'before'} "
