@@ -10,12 +10,12 @@ from typing import Any
 
 import pytest
 
-from rlnode.bus import Bus, ensure_topics
+from rlnode.bus import Bus
 from rlnode.bus.settings import KafkaSettings
 from rlnode.testing import (
     BrokerHandle,
+    broker_with_topics,
     postgres_admin_url,
-    provide_broker,
     temporary_postgres_database,
 )
 
@@ -72,11 +72,8 @@ def smollm2(smollm2_store: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def kafka_broker() -> Iterator[BrokerHandle]:
-    """One broker for the session with the topics created, as on a node (`rlnode up` creates
-    them before any service starts): a service that subscribed first would otherwise leave
-    the broker to auto-create a topic with its own partition count."""
-    with provide_broker() as handle:
-        asyncio.run(ensure_topics(KafkaSettings(bootstrap_servers=handle.bootstrap_servers)))
+    """One broker for the session, with the topics created."""
+    with broker_with_topics() as handle:
         yield handle
 
 

@@ -8,6 +8,7 @@ which one they got: the broker may be shared, so they use unique job ids and gro
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import socket
@@ -20,7 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from rlnode.bus import ensure_topics
 from rlnode.bus.localbroker import LocalBroker
+from rlnode.bus.settings import KafkaSettings
 
 BrokerKind = Literal["external", "testcontainers", "tansu"]
 KAFKA_IMAGE = "apache/kafka:3.9.1"
@@ -61,6 +64,16 @@ def provide_broker() -> Iterator[BrokerHandle]:
         return
     with LocalBroker() as local:
         yield BrokerHandle(local.bootstrap_servers, "tansu", local)
+
+
+@contextlib.contextmanager
+def broker_with_topics() -> Iterator[BrokerHandle]:
+    """A broker (as `provide_broker`) with the topics created, as on a node (`rlnode up`
+    creates them before any service starts): a service that subscribed first would otherwise
+    leave the broker to auto-create a topic with its own partition count."""
+    with provide_broker() as handle:
+        asyncio.run(ensure_topics(KafkaSettings(bootstrap_servers=handle.bootstrap_servers)))
+        yield handle
 
 
 def unique_id(prefix: str) -> str:

@@ -6,19 +6,16 @@ trajectories are sampled at the versions the learner asked for."""
 
 from __future__ import annotations
 
-import asyncio
 import sys
 from collections.abc import Iterator
 
 import pytest
 
-from rlnode.bus import ensure_topics
-from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import example_job, task_app_path
 from rlnode.messages import JobEventType
 from rlnode.models.build import init_model
 from rlnode.sdk.gateway import GatewayClient
-from rlnode.testing import BrokerHandle, provide_broker, unique_id
+from rlnode.testing import BrokerHandle, broker_with_topics, unique_id
 from tests.integration.stack import VLLM_ON_THE_CPU, start_stack, work_group_at_the_end
 from tests.integration.test_learner import User, start_learner, watch
 
@@ -32,8 +29,7 @@ def kafka_broker() -> Iterator[BrokerHandle]:
     """A broker of this module's own: on the session's, which by now holds every earlier
     module's records, this job took 144 s against 44 s (Tansu lists a partition's stored
     batches on each fetch; retention is #36's)."""
-    with provide_broker() as handle:
-        asyncio.run(ensure_topics(KafkaSettings(bootstrap_servers=handle.bootstrap_servers)))
+    with broker_with_topics() as handle:
         yield handle
 
 

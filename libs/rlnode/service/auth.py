@@ -302,9 +302,9 @@ class VaultTokenVerifier(TokenVerifier):
     def __init__(self, vault_url: str, refresh_s: float = 30.0, timeout_s: float = 5.0) -> None:
         import httpx
 
-        self.vault_url = vault_url.rstrip("/")
         from rlnode.service.pooled_http import IDLE_CONNECTION_S
 
+        self.vault_url = vault_url.rstrip("/")
         self._http = httpx.Client(
             base_url=self.vault_url,
             timeout=timeout_s,

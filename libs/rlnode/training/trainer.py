@@ -197,9 +197,9 @@ class CompletionLogprobs(torch.nn.Module):
         weight = self.lm.get_output_embeddings().weight
         if targets is None:
             targets = input_ids[rows, positions + 1]
-        # With no position graded the pass still gets a graph (its gradients are 0): every
-        # rank of a sharded model runs the same backward.
-        if graded is None or not torch.is_grad_enabled() or bool(graded.all() | ~graded.any()):
+        # Trainer.forward_backward passes a datum with no graded position without gradients,
+        # so a pass with gradients has at least one here.
+        if graded is None or not torch.is_grad_enabled() or bool(graded.all()):
             return token_logprobs(chosen, weight, targets, temperature, self.chunk_tokens)
         with torch.no_grad():
             out = token_logprobs(chosen, weight, targets, temperature, self.chunk_tokens)

@@ -161,6 +161,10 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
     def future(request_id: str, model_id: str | None = None) -> dict[str, Any]:
         return {"request_id": request_id, **({"model_id": model_id} if model_id else {})}
 
+    def seq_of(body: dict[str, Any]) -> int:
+        """A JSON call's place in its model's order (the SDK's seq_id, numbered as here)."""
+        return internal_seq(int(body.get("seq_id") or 0))
+
     @asynccontextmanager
     async def keeping_place(model: TinkerModel, seq: int):
         """A call refused in here still takes its place in the model's order (calls.skip):
@@ -328,7 +332,7 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
-        seq = internal_seq(int(body.get("seq_id") or 0))
+        seq = seq_of(body)
         async with keeping_place(model, seq):
             if body.get("adam_params") is None:
                 raise ApiError(400, "optim_step needs adam_params: this node's optimizer is AdamW")
@@ -346,7 +350,7 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
-        seq = internal_seq(int(body.get("seq_id") or 0))
+        seq = seq_of(body)
         async with keeping_place(model, seq):
             name = _checkpoint_name(body.get("path"))
             path = tinker_path(model.model_id, "training", name)
@@ -372,7 +376,7 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
-        seq = internal_seq(int(body.get("seq_id") or 0))
+        seq = seq_of(body)
         async with keeping_place(model, seq):
             name = _checkpoint_name(body["path"]) if body.get("path") else None
             context: dict[str, Any] = {"name": name, "user_metadata": body.get("user_metadata")}
@@ -414,7 +418,7 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
 
         if body.get("model_id"):  # into an existing run (TrainingClient.load_state)
             model = model_of(org, str(body["model_id"]))
-            seq = internal_seq(int(body.get("seq_id") or 0))
+            seq = seq_of(body)
             async with keeping_place(model, seq):
                 source, load = checkpoint_to_load()
                 if (model.source, model.lora_config) != (source.source, source.lora_config):
