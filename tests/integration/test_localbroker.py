@@ -12,6 +12,7 @@ import stat
 
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import NewTopic
 
 from rlnode.bus import KafkaSettings, TopicReader, clients, ensure_topics
 from rlnode.bus.localbroker import BrokerBinaryMissing, BrokerStartError, LocalBroker, find_tansu
@@ -230,3 +231,88 @@ def test_a_node_started_again_on_its_data_dir_finds_its_topics(tmp_path) -> None
 
         assert asyncio.run(held()) == ["r0", "r1", "r2"]
     assert (tmp_path / "node" / "secrets" / "objectstore.json").stat().st_mode & 0o077 == 0
+
+
+# -- retention on durable storage (#36) -------------------------------------------------
+
+
+def test_retention_drops_old_records_but_never_what_a_group_has_yet_to_read(tmp_path) -> None:
+    """Tansu 0.6 keeps every batch; the store deletes a partition's oldest ones by the
+    topic's own retention configs and by what its groups have read (a once-read topic),
+    keeping the unread. Consumers read on across the deletions, from the first batch
+    left; offsets go on from where they were."""
+    store = LocalObjectStore(tmp_path / "store", retention_every_s=0.2, once_read_s={"queue": 0.5})
+    bounded, queue = TopicPartition("bounded", 0), TopicPartition("queue", 0)
+
+    async def earliest(partition: TopicPartition, want: int) -> int:
+        consumer = _reader(broker.bootstrap_servers)
+        await consumer.start()
+        try:
+            for _ in range(100):
+                first = (await consumer.beginning_offsets([partition]))[partition]
+                if first == want:
+                    return first
+                await asyncio.sleep(0.1)
+            return first
+        finally:
+            await consumer.stop()
+
+    async def read_from_earliest(partition: TopicPartition, count: int) -> list[str]:
+        consumer = _reader(broker.bootstrap_servers)
+        await consumer.start()
+        try:
+            consumer.assign([partition])
+            await consumer.seek_to_beginning(partition)
+            return await _read(consumer, count)
+        finally:
+            await consumer.stop()
+
+    async def scenario() -> None:
+        settings = KafkaSettings(bootstrap_servers=broker.bootstrap_servers)
+        admin = clients.admin(settings)
+        await admin.start()
+        try:
+            await admin.create_topics(
+                [
+                    NewTopic(
+                        "bounded",
+                        1,
+                        1,
+                        topic_configs={"retention.bytes": "1", "retention.ms": "-1"},
+                    ),
+                    NewTopic("queue", 1, 1, topic_configs={"retention.ms": "86400000"}),
+                ]
+            )
+        finally:
+            await admin.close()
+        group = _reader(broker.bootstrap_servers, "g")
+        await group.start()
+        try:
+            group.assign([bounded, queue])
+            # The group holds both partitions from their start: nothing it is yet to read
+            # goes, however far over its bounds the topic is.
+            await group.commit({bounded: 0, queue: 0})
+            await _produce(broker.bootstrap_servers, "bounded", range(10))
+            await _produce(broker.bootstrap_servers, "queue", range(5))
+            await asyncio.sleep(0.5)  # sweeps
+            group.seek(bounded, 0)
+            group.seek(queue, 0)
+            assert len(await _read(group, 15)) == 15
+            await group.commit({bounded: 4, queue: 3})
+            # Over its 1 byte, the bounded topic keeps what the group has yet to read.
+            assert await earliest(bounded, 4) == 4
+            assert await read_from_earliest(bounded, 6) == [f"r{i}" for i in range(4, 10)]
+            # The queue keeps only its unread records, once the read ones are 0.5 s old.
+            assert await earliest(queue, 3) == 3
+            assert await read_from_earliest(queue, 2) == ["r3", "r4"]
+            # Everything read: only the newest batch stays; offsets go on from 10.
+            await group.commit({bounded: 10})
+            assert await earliest(bounded, 9) == 9
+            await _produce(broker.bootstrap_servers, "bounded", range(10, 12))
+            assert await _read(group, 2) == ["r10", "r11"]
+            assert (await group.end_offsets([bounded]))[bounded] == 12
+        finally:
+            await group.stop()
+
+    with store, LocalBroker(storage="durable", object_store=store) as broker:
+        asyncio.run(scenario())

@@ -156,8 +156,9 @@ async def ensure_topics(
     names: Iterable[str] = topics.ALL_TOPICS,
     partitions: int | None = None,
 ) -> list[str]:
-    """Create the named topics with the partition count and size limit from settings;
-    topics that already exist are left as they are. Returns the ones it created."""
+    """Create the named topics with the partition count and size limit from settings and
+    rlnode's retention (topics.RETENTION); topics that already exist are left as they are.
+    Returns the ones it created."""
     client = admin(settings)
     await _started(client, settings)
     try:
@@ -171,7 +172,10 @@ async def ensure_topics(
                     name,
                     num_partitions=partitions or settings.partitions,
                     replication_factor=settings.replication_factor,
-                    topic_configs={"max.message.bytes": str(settings.max_message_bytes)},
+                    topic_configs={
+                        "max.message.bytes": str(settings.max_message_bytes),
+                        **topics.retention_configs(name),
+                    },
                 )
                 for name in wanted
             ]

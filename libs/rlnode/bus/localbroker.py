@@ -16,6 +16,7 @@ from typing import Literal
 
 from rlnode.bus.children import ChildProcess, free_port
 from rlnode.bus.objectstore import BUCKET, LocalObjectStore
+from rlnode.messages import topics
 
 TANSU_ENV_VAR = "RLNODE_TANSU_BIN"
 Storage = Literal["memory", "durable"]
@@ -117,7 +118,9 @@ class LocalBroker(ChildProcess):
         if self._owns_store:
             assert data_dir is not None
             store_log = log_path.with_name("objectstore.log") if log_path else None
-            object_store = LocalObjectStore(data_dir, log_path=store_log)
+            object_store = LocalObjectStore(
+                data_dir, log_path=store_log, once_read_s=topics.ONCE_READ_S
+            )
         self.object_store = object_store
         self._proc: subprocess.Popen | None = None
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Final
 
 from rlnode.service import registry
@@ -30,6 +31,58 @@ ALL_TOPICS: Final[tuple[str, ...]] = (
     TINKER_CALLS,
     TINKER_RESULTS,
 )
+
+
+@dataclass(frozen=True)
+class TopicRetention:
+    """How long a topic keeps its records, per partition. `max_age_s` and `max_bytes` are
+    Kafka's own retention.ms and retention.bytes, set when rlnode creates the topic: a Kafka
+    applies them itself, and the embedded broker's durable store applies them for Tansu
+    (rlnode.bus.objectstore.retention), keeping past them what a consumer group has yet to
+    read. `once_read_s`, on the embedded broker only: a topic read only through consumer
+    groups loses its records once every group holding them has read them and they are that
+    old (docs/decisions.md)."""
+
+    max_age_s: float
+    max_bytes: int
+    once_read_s: float | None = None
+
+    def kafka_configs(self) -> dict[str, str]:
+        return {
+            "retention.ms": str(int(self.max_age_s * 1000)),
+            "retention.bytes": str(self.max_bytes),
+        }
+
+
+_DAY: Final = 24 * 3600.0
+_MIB: Final = 2**20
+RETENTION: Final[dict[str, TopicRetention]] = {
+    # Read by the learner's group; each carries a single-use token.
+    JOB_REQUESTS: TopicRetention(7 * _DAY, 64 * _MIB),
+    # Read from a job's first event by whoever lists or follows it (no group): a week.
+    JOB_EVENTS: TopicRetention(7 * _DAY, 32 * _MIB),
+    # Work queues: a group reads each record, and a restart resumes from the group's offset
+    # (the learner commits trajectories and Tinker calls only once a checkpoint holds them).
+    ROLLOUT_WORK: TopicRetention(_DAY, 256 * _MIB, once_read_s=60.0),
+    TRAJECTORIES: TopicRetention(_DAY, 1024 * _MIB, once_read_s=60.0),
+    TINKER_CALLS: TopicRetention(_DAY, 1024 * _MIB, once_read_s=60.0),
+    # A generator that starts reads the running jobs' versions from the beginning.
+    WEIGHT_VERSIONS: TopicRetention(7 * _DAY, 64 * _MIB),
+    DEAD_LETTERS: TopicRetention(7 * _DAY, 256 * _MIB),
+    # Read by every tinker-api from its start on (no group).
+    TINKER_RESULTS: TopicRetention(_DAY, 256 * _MIB),
+}
+
+
+def retention_configs(topic: str) -> dict[str, str]:
+    """The Kafka topic configs of `topic`'s retention; none for a topic not rlnode's."""
+    retention = RETENTION.get(topic)
+    return retention.kafka_configs() if retention else {}
+
+
+ONCE_READ_S: Final[dict[str, float]] = {
+    topic: r.once_read_s for topic, r in RETENTION.items() if r.once_read_s is not None
+}
 
 # Who may produce what (docs/security.md). Services sign what they publish with a key the
 # vault certified under their name (rlnode.bus.signing); a consumer takes a record only

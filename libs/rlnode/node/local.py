@@ -25,7 +25,7 @@ from rlnode.bus.objectstore import LocalObjectStore
 from rlnode.bus.pki import Identity
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
-from rlnode.messages import JobConfig, JobEvent
+from rlnode.messages import JobConfig, JobEvent, topics
 from rlnode.node.kafka_tls import (
     OPERATOR,
     client_identity,
@@ -152,6 +152,7 @@ def broker_object_store(data_dir: Path) -> LocalObjectStore:
         data_dir / "broker",
         credentials_path=data_dir / "secrets" / "objectstore.json",
         log_path=data_dir / "logs" / "objectstore.log",
+        once_read_s=topics.ONCE_READ_S,
     )
 
 

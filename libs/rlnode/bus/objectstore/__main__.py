@@ -11,6 +11,7 @@ from aiohttp import web
 
 from rlnode.bus.objectstore.files import ObjectFiles
 from rlnode.bus.objectstore.process import read_credentials
+from rlnode.bus.objectstore.retention import RetentionSweeper, sweep_every
 from rlnode.bus.objectstore.server import make_app
 from rlnode.service.files import make_private
 
@@ -25,7 +26,28 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--port", type=int, default=9000)
     parser.add_argument("--bucket", action="append", default=[], help="create this bucket")
     parser.add_argument("--verbose", action="store_true", help="log every request")
+    parser.add_argument(
+        "--retention-every-s",
+        type=float,
+        default=30.0,
+        help="apply the broker's topic retention to each bucket this often (0: never)",
+    )
+    parser.add_argument(
+        "--once-read",
+        action="append",
+        default=[],
+        metavar="TOPIC=SECONDS",
+        help="a topic whose records go once every group holding them has read them and "
+        "they are this old",
+    )
     args = parser.parse_args(argv)
+    try:
+        once_read = {
+            topic: float(seconds)
+            for topic, seconds in (item.rsplit("=", 1) for item in args.once_read)
+        }
+    except ValueError:
+        parser.error(f"--once-read takes TOPIC=SECONDS, got {args.once_read}")
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -35,6 +57,9 @@ def main(argv: list[str] | None = None) -> None:
     files = ObjectFiles(args.data_dir)
     for bucket in args.bucket:
         files.create_bucket(bucket)
+    if args.retention_every_s > 0:
+        for bucket in args.bucket:
+            sweep_every(RetentionSweeper(files, bucket, once_read), args.retention_every_s)
     app = make_app(files, read_credentials(args.credentials))
     web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
 

@@ -58,8 +58,15 @@ class LocalObjectStore(ChildProcess):
         port: int | None = None,
         log_path: Path | None = None,
         start_timeout_s: float = 15.0,
+        retention_every_s: float = 30.0,
+        once_read_s: dict[str, float] | None = None,
     ) -> None:
+        """`retention_every_s`: how often the broker's topic retention is applied to the
+        records held here (rlnode.bus.objectstore.retention; 0: never); `once_read_s`: the
+        topics whose records go once their groups have read them, and after how long."""
         self.data_dir = data_dir
+        self.retention_every_s = retention_every_s
+        self.once_read_s = dict(once_read_s or {})
         self.credentials_path = credentials_path or data_dir / "credentials.json"
         self.host = host
         self.port = port or free_port(host)
@@ -95,6 +102,9 @@ class LocalObjectStore(ChildProcess):
         command = [sys.executable, "-m", "rlnode.bus.objectstore", "--data-dir", str(self.data_dir)]
         command += ["--credentials", str(self.credentials_path), "--bucket", BUCKET]
         command += ["--host", self.host, "--port", str(self.port)]
+        command += ["--retention-every-s", str(self.retention_every_s)]
+        for topic, seconds in sorted(self.once_read_s.items()):
+            command += ["--once-read", f"{topic}={seconds}"]
         self._spawn(command, "rlnode-objectstore-")
         deadline = time.monotonic() + self.start_timeout_s
         while not _listening(self.host, self.port):
