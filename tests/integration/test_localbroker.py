@@ -316,3 +316,43 @@ def test_retention_drops_old_records_but_never_what_a_group_has_yet_to_read(tmp_
 
     with store, LocalBroker(storage="durable", object_store=store) as broker:
         asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("storage", ["memory", "durable"])
+def test_a_reader_from_a_time_skips_the_history_before_it(tmp_path, storage) -> None:
+    """A job's events are read from when its id was made: the reader seeks by the time
+    records were stored (Tansu answers ListOffsets by timestamp), not from the beginning,
+    and with nothing stored since then it follows from the end."""
+    import time
+
+    from rlnode.sdk.jobs import job_made_at, new_job_id
+
+    async def read(
+        settings: KafkaSettings, since: float, then: range
+    ) -> tuple[list[str], list[str]]:
+        """What the reader finds there, and what it gets of `then`, produced afterwards."""
+        async with TopicReader(settings, "history", service="t", since=since) as reader:
+            found: list[str] = []
+            while not reader.caught_up.is_set():
+                found += [r.value.decode() for r in await reader.fetch(timeout_ms=200)]
+            await _produce(settings.bootstrap_servers, "history", then)
+            followed: list[str] = []
+            while len(followed) < len(then):
+                followed += [r.value.decode() for r in await reader.fetch(timeout_ms=200)]
+            return found, followed
+
+    async def scenario(settings: KafkaSettings) -> None:
+        await ensure_topics(settings, ["history"], partitions=1)
+        await _produce(settings.bootstrap_servers, "history", range(5))
+        await asyncio.sleep(0.3)
+        cut = time.time()
+        await _produce(settings.bootstrap_servers, "history", range(5, 8))
+        assert await read(settings, cut, range(8, 9)) == (["r5", "r6", "r7"], ["r8"])
+        assert await read(settings, time.time() + 1, range(9, 10)) == ([], ["r9"])
+
+    with LocalBroker(storage=storage, data_dir=tmp_path / "store") as broker:
+        asyncio.run(scenario(KafkaSettings(bootstrap_servers=broker.bootstrap_servers)))
+    made = new_job_id()
+    assert abs((job_made_at(made) or 0) - time.time()) < 2
+    assert job_made_at("job-0123456789ab") is None  # the old form, or the user's own
+    assert job_made_at("job-20261399-000000-0123abcd") is None

@@ -29,14 +29,18 @@ class TopicReader:
         service: str,
         key: str | None = None,
         from_beginning: bool = True,
+        since: float | None = None,
         topic_wait_s: float = 10.0,
     ) -> None:
-        """`key`: read only the partition that records keyed by it land on (a job id)."""
+        """`key`: read only the partition that records keyed by it land on (a job id).
+        `since` (epoch seconds): start at the first record stored at or after it rather than
+        at the beginning, so that what it costs does not grow with the topic's history."""
         self.settings = settings
         self.topic = topic
         self.service = service
         self.key = key
         self.from_beginning = from_beginning
+        self.since = since
         self.topic_wait_s = topic_wait_s
         # Set once every record that existed at the start has been read.
         self.caught_up = asyncio.Event()
@@ -65,12 +69,28 @@ class TopicReader:
             raise unreachable(self.settings.bootstrap_servers, e) from e
         self._consumer = consumer
         consumer.assign(partitions)
-        if self.from_beginning:
+        if self.since is not None:
+            await self._seek_to_time(consumer, partitions, self.since)
+        elif self.from_beginning:
             await consumer.seek_to_beginning(*partitions)
         else:
             await consumer.seek_to_end(*partitions)
         self._ends = await consumer.end_offsets(partitions)
         await self._check_caught_up()
+
+    @staticmethod
+    async def _seek_to_time(
+        consumer: AIOKafkaConsumer, partitions: list[TopicPartition], since: float
+    ) -> None:
+        found = await consumer.offsets_for_times({p: int(since * 1000) for p in partitions})
+        for partition in partitions:
+            hit = found.get(partition)
+            # Nothing stored since then: Kafka answers none, Tansu 0.6 offset 0 without a
+            # timestamp. Whatever comes later is after the end.
+            if hit is None or hit.timestamp < 0:
+                await consumer.seek_to_end(partition)
+            else:
+                consumer.seek(partition, hit.offset)
 
     async def fetch(self, timeout_ms: int = 500, max_records: int = 500) -> list[ConsumerRecord]:
         """The next records in partition order (empty after `timeout_ms` without any)."""

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -46,8 +48,29 @@ class JobError(RuntimeError):
         self.event = event
 
 
+# A job id rlnode makes says when it was made (UTC), so that its events are read from then
+# on rather than from the start of the topic's history.
+_JOB_ID_TIME = "%Y%m%d-%H%M%S"
+_MADE_JOB_ID = re.compile(r"^job-(\d{8}-\d{6})-[0-9a-f]{8}$")
+# How far the clock of the host that made the id may be ahead of the broker's.
+JOB_CLOCK_SKEW_S = 600.0
+
+
 def new_job_id() -> str:
-    return f"job-{uuid.uuid4().hex[:12]}"
+    made = datetime.now(UTC).strftime(_JOB_ID_TIME)
+    return f"job-{made}-{uuid.uuid4().hex[:8]}"
+
+
+def job_made_at(job_id: str) -> float | None:
+    """When rlnode made `job_id` (epoch seconds); None for an id of the user's own."""
+    match = _MADE_JOB_ID.match(job_id)
+    if match is None:
+        return None
+    try:
+        made = datetime.strptime(match.group(1), _JOB_ID_TIME).replace(tzinfo=UTC)
+    except ValueError:
+        return None
+    return made.timestamp()
 
 
 def evaluation_job(config: JobConfig, checkpoint: Path, spec: EvalSpec) -> JobConfig:
@@ -209,8 +232,13 @@ async def job_events(
     comes within `wait_first_s` of the start (a wrong id, or no learner), or none for
     `idle_timeout_s` at any point. An event stored twice (published again through a broker
     outage) comes once."""
-    # A job's events all sit in the partition its id is keyed to: read only that one.
-    async with TopicReader(kafka, topics.JOB_EVENTS, service=service, key=job_id) as reader:
+    # A job's events all sit in the partition its id is keyed to: read only that one, from
+    # when the job was made when its id says.
+    made = job_made_at(job_id)
+    since = None if made is None else made - JOB_CLOCK_SKEW_S
+    async with TopicReader(
+        kafka, topics.JOB_EVENTS, service=service, key=job_id, since=since
+    ) as reader:
         accepted = False
         started = last_news = time.monotonic()
         seen = False
