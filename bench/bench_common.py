@@ -94,11 +94,13 @@ def copy_task_node(
     gateways: int = 1,
     broker_storage: Storage | None = None,
     kafka_tls: bool | None = None,
+    broker_retention: bool = True,
 ) -> Iterator[tuple]:
     """A node for training benchmarks (no checkpoint-server), an org whose key is sealed
     and uploaded, and the managed copy-task Task App registered as "copy": (node, org).
     `broker_storage`: the embedded broker's, memory or durable (None: the node's default);
-    `kafka_tls`: the broker behind its TLS front (None: the node's default, off on one host)."""
+    `kafka_tls`: the broker behind its TLS front (None: the node's default, off on one host);
+    `broker_retention`: whether the durable store applies the topics' retention."""
     import time
 
     from rlnode.node.local import LocalNode, NodeOptions
@@ -111,6 +113,7 @@ def copy_task_node(
             gateways=gateways,
             broker_storage=broker_storage,
             kafka_tls=kafka_tls,
+            broker_retention=broker_retention,
         )
     ) as node:
         org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})

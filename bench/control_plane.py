@@ -22,6 +22,17 @@ bench/results/control_plane_storage.{json,md} instead.
 `--kafka-tls off,on` likewise runs the same work on a node whose every Kafka client goes
 through the broker's TLS front (haproxy, client certificates; its CPU measured too) and on
 one without, and writes bench/results/control_plane_tls.{json,md}.
+
+`--history 100000` measures a node as it ages (#36): the same job on a new node, then again
+once at least that many records of history were added to its topics, with the time a
+job's event listing takes at both ages; a node whose durable store applies the topics'
+retention and one that keeps everything, both up, in turn. The history is copies of what
+the first job left on rollout-work, trajectories and job-events, produced as stored (key,
+value, headers: the services' signatures hold), one record per produce as the services
+send them; the node's consumers read it as they would any record of a finished job.
+Writes bench/results/control_plane_aged.{json,md}.
+
+    python bench/control_plane.py --gateways 1 --history 100000
 """
 
 from __future__ import annotations
@@ -38,7 +49,9 @@ from pathlib import Path
 import psutil
 from bench_common import copy_task_node, job_config, training_arguments, write_results
 
-from rlnode.messages import JobEventType
+from rlnode.bus import clients
+from rlnode.bus.reader import TopicReader
+from rlnode.messages import JobEventType, topics
 from rlnode.models.build import init_tiny_model
 from rlnode.node.chaos import BROKER, pid_of, targets, task_app_target
 from rlnode.node.local import FRONT, OBJECT_STORE
@@ -87,6 +100,160 @@ async def run(node, org, model: Path, args, pids: dict[str, int]) -> dict:
     }
 
 
+HISTORY_TOPICS = (topics.ROLLOUT_WORK, topics.TRAJECTORIES, topics.JOB_EVENTS)
+
+
+async def listing(node, org, job_id: str) -> dict:
+    """How long listing a finished job's events takes (`rlnode job events`'s path)."""
+    async with node.jobs(org) as jobs:
+        started = time.perf_counter()
+        events = await jobs.history(job_id)
+        return {"listing_s": time.perf_counter() - started, "listed_events": len(events)}
+
+
+async def add_history(node, count: int) -> dict:
+    """At least `count` records more on HISTORY_TOPICS: copies of what they hold now, each
+    sent on its own (one batch per record, as the services publish), a sender per partition."""
+    settings = node.kafka_settings()
+    held: dict[tuple[str, int], list] = {}
+    for topic in HISTORY_TOPICS:
+        async with TopicReader(settings, topic, service="bench") as reader:
+            while not reader.caught_up.is_set():
+                for r in await reader.fetch():
+                    held.setdefault((topic, r.partition), []).append(r)
+    total = sum(len(records) for records in held.values())
+    rounds = -(-count // total)
+    producer = clients.producer(settings, "bench")
+    await producer.start()
+    started = time.perf_counter()
+
+    async def copy(topic: str, partition: int, records: list) -> int:
+        for _ in range(rounds):
+            for r in records:
+                await producer.send_and_wait(
+                    topic, r.value, key=r.key, partition=partition, headers=list(r.headers)
+                )
+        return rounds * len(records)
+
+    try:
+        sent = await asyncio.gather(*(copy(t, p, rs) for (t, p), rs in held.items()))
+    finally:
+        await producer.stop()
+    return {
+        "history_records": sum(sent),
+        "history_s": time.perf_counter() - started,
+        "history_by_topic": {
+            t: sum(len(rs) for (tt, _), rs in held.items() if tt == t) * rounds
+            for t in HISTORY_TOPICS
+        },
+    }
+
+
+def stored_batches(node) -> int:
+    """Record batches the broker's durable store holds now (one object each)."""
+    root = node.data_dir / "broker" / "buckets"
+    return sum(1 for _ in root.rglob("o*.batch"))
+
+
+def aged(args, model: Path, tmp: Path, generator: dict) -> None:
+    """--history: the job on a new node and again after the history, with retention and
+    without, the nodes up together and their rounds in turn."""
+    runs: list[dict] = []
+    with contextlib.ExitStack() as nodes:
+        running = {
+            retention: nodes.enter_context(
+                copy_task_node(
+                    tmp / f"node-aged-{retention}",
+                    generator,
+                    1,
+                    "durable",
+                    broker_retention=retention,
+                )
+            )
+            for retention in (True, False)
+        }
+        pids = {r: process_pids(*running[r]) for r in running}
+        first: dict[bool, str] = {}
+        for age in ("new", "aged"):
+            if age == "aged":
+                for retention, (node, _org) in running.items():
+                    added = asyncio.run(add_history(node, args.history))
+                    print(
+                        f"retention {retention}: {added['history_records']} records added "
+                        f"in {added['history_s']:.0f} s",
+                        flush=True,
+                    )
+                    runs.append({"retention": retention, "age": "history", **added})
+                # The store's sweep (every 30 s) deletes once-read records 5 minutes old; a
+                # job's listing reads from 5 minutes before the job was made (clocks), so
+                # the history must be older than that to be out of its way, as on a node
+                # whose 1,000 jobs ran over days.
+                time.sleep(args.history_settle_s)
+            for retention, (node, org) in running.items():
+                result = asyncio.run(run(node, org, model, args, pids[retention]))
+                job = first.setdefault(retention, result["job_id"])
+                result |= asyncio.run(listing(node, org, result["job_id"]))
+                first_listing = asyncio.run(listing(node, org, job))
+                result |= {
+                    "retention": retention,
+                    "age": age,
+                    "first_job_listing_s": first_listing["listing_s"],
+                    "stored_batches": stored_batches(node),
+                }
+                runs.append(result)
+                print(
+                    f"retention {retention}, {age}: {result['rollouts_per_s']:.0f} rollouts/s, "
+                    f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout, listing "
+                    f"{result['listing_s']:.2f} s ({result['listed_events']} events), "
+                    f"{result['stored_batches']} batches stored",
+                    flush=True,
+                )
+    rows = []
+    for retention in (True, False):
+        new, old = (
+            next(r for r in runs if r["retention"] is retention and r["age"] == age)
+            for age in ("new", "aged")
+        )
+        history = next(r for r in runs if r["retention"] is retention and r["age"] == "history")
+        broker_ms = [
+            sum(v for k, v in r["cpu_ms_per_rollout"].items() if k in NAMES.values())
+            for r in (new, old)
+        ]
+        rows.append(
+            f"| {'on' if retention else 'off (keeps everything)'} "
+            f"| {history['history_records']} "
+            f"| {new['rollouts_per_s']:.0f} -> {old['rollouts_per_s']:.0f} "
+            f"(**{old['rollouts_per_s'] / new['rollouts_per_s']:.2f}x**) "
+            f"| {new['cpu_ms_per_rollout_total']:.2f} -> {old['cpu_ms_per_rollout_total']:.2f} "
+            f"| {broker_ms[0]:.2f} -> {broker_ms[1]:.2f} "
+            f"| {new['listing_s']:.2f} -> {old['listing_s']:.2f} "
+            f"| {new['first_job_listing_s']:.2f} -> {old['first_job_listing_s']:.2f} "
+            f"| {new['stored_batches']} -> {old['stored_batches']} |"
+        )
+    table = [
+        "| retention | records of history added | rollouts/s, new -> aged | CPU ms per rollout "
+        "| of which the broker's and its store's | listing the job's events (s) "
+        "| listing the first job's events (s) | batches stored |",
+        "|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+        f"The same job ({args.steps} steps of {args.prompts} x {args.group}, instant engine, "
+        "copy-task Task App) on a new node and again after the history (copies of the first "
+        "job's records on rollout-work, trajectories and job-events, one per produce), "
+        f"{args.history_settle_s:.0f} s later; each node's own job listed right after it ends "
+        "(ids carry their time: read from 5 minutes before it), and its first job listed "
+        "then too (read from before the history). Both nodes up together, on durable "
+        "storage, their runs in turn.",
+    ]
+    write_results(
+        "control_plane_aged",
+        args,
+        "B8 as the node ages: the embedded broker with retention and without",
+        table,
+        runs=runs,
+    )
+
+
 def process_pids(node, org) -> dict[str, int]:
     task_app = task_app_target(org, "copy")
     pids = {
@@ -129,6 +296,19 @@ def main() -> None:
         "(off,on)",
     )
     parser.add_argument(
+        "--history",
+        type=int,
+        default=0,
+        help="records of history to add between two runs of the job, on a node with "
+        "retention and one without (writes control_plane_aged)",
+    )
+    parser.add_argument(
+        "--history-settle-s",
+        type=float,
+        default=360.0,
+        help="seconds between the history and the aged run (past a listing's 5 minutes)",
+    )
+    parser.add_argument(
         "--before",
         type=Path,
         default=None,
@@ -147,6 +327,11 @@ def main() -> None:
         "GENERATOR_MAX_BATCH_SIZE": "256",
     }
     runs = []
+    if args.history:
+        with tempfile.TemporaryDirectory() as tmp:
+            model = init_tiny_model(Path(tmp) / "tiny", seed=0)
+            aged(args, model, Path(tmp), generator)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "tiny", seed=0)
         for count in counts:

@@ -63,9 +63,9 @@ RETENTION: Final[dict[str, TopicRetention]] = {
     JOB_EVENTS: TopicRetention(7 * _DAY, 32 * _MIB),
     # Work queues: a group reads each record, and a restart resumes from the group's offset
     # (the learner commits trajectories and Tinker calls only once a checkpoint holds them).
-    ROLLOUT_WORK: TopicRetention(_DAY, 256 * _MIB, once_read_s=60.0),
-    TRAJECTORIES: TopicRetention(_DAY, 1024 * _MIB, once_read_s=60.0),
-    TINKER_CALLS: TopicRetention(_DAY, 1024 * _MIB, once_read_s=60.0),
+    ROLLOUT_WORK: TopicRetention(_DAY, 256 * _MIB, once_read_s=300.0),
+    TRAJECTORIES: TopicRetention(_DAY, 1024 * _MIB, once_read_s=300.0),
+    TINKER_CALLS: TopicRetention(_DAY, 1024 * _MIB, once_read_s=300.0),
     # A generator that starts reads the running jobs' versions from the beginning.
     WEIGHT_VERSIONS: TopicRetention(7 * _DAY, 64 * _MIB),
     DEAD_LETTERS: TopicRetention(7 * _DAY, 256 * _MIB),

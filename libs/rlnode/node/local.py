@@ -98,6 +98,9 @@ class NodeOptions:
     # again on the same data dir has every topic, record and offset) or "memory"; None:
     # RLNODE_BROKER_STORAGE (default durable). docs/decisions.md says why.
     broker_storage: Storage | None = None
+    # Whether the durable store applies the topics' retention (rlnode.bus.objectstore.
+    # retention); off only to measure what retention saves (bench/control_plane.py).
+    broker_retention: bool = True
     # Hosts that lend the learner training ranks (`rlnode trainer-ranks` on each), as each
     # names itself; the learner's rendezvous listens on `host`:`rendezvous_port` for them.
     rank_hosts: tuple[str, ...] = ()
@@ -139,19 +142,25 @@ class Org:
     token: str
 
 
+# How often the embedded broker's durable store sweeps the topics for retention.
+RETENTION_EVERY_S = 30.0
+
+
 def state_path(data_dir: Path) -> Path:
     """node.json under a node's data dir: what `rlnode status` and the dashboard's node page
     read, kept by `LocalNode`."""
     return data_dir / "node.json"
 
 
-def broker_object_store(data_dir: Path) -> LocalObjectStore:
+def broker_object_store(data_dir: Path, retention: bool = True) -> LocalObjectStore:
     """The embedded broker's durable storage under a node's data dir: the objects in
-    broker/, its access key with the node's other secrets, its log with theirs."""
+    broker/, its access key with the node's other secrets, its log with theirs; applying
+    the topics' retention (`retention`: off only to measure what it saves)."""
     return LocalObjectStore(
         data_dir / "broker",
         credentials_path=data_dir / "secrets" / "objectstore.json",
         log_path=data_dir / "logs" / "objectstore.log",
+        retention_every_s=RETENTION_EVERY_S if retention else 0.0,
         once_read_s=topics.ONCE_READ_S,
     )
 
@@ -285,7 +294,9 @@ class LocalNode:
         the front, which Tansu names to clients as where the broker is."""
         storage = self.options.broker_storage or NodeSettings().broker_storage
         if storage == "durable":
-            self.object_store = broker_object_store(self.data_dir).start()
+            self.object_store = broker_object_store(
+                self.data_dir, self.options.broker_retention
+            ).start()
         host = self.options.host
         tls = self.wants_kafka_tls
         front_port = free_port(host) if tls else None

@@ -53,7 +53,7 @@ class JobError(RuntimeError):
 _JOB_ID_TIME = "%Y%m%d-%H%M%S"
 _MADE_JOB_ID = re.compile(r"^job-(\d{8}-\d{6})-[0-9a-f]{8}$")
 # How far the clock of the host that made the id may be ahead of the broker's.
-JOB_CLOCK_SKEW_S = 600.0
+JOB_CLOCK_SKEW_S = 300.0
 
 
 def new_job_id() -> str:

@@ -177,8 +177,10 @@ class ObjectFiles:
             f.close()
             raise
 
-    def delete(self, bucket: str, key: str) -> None:
-        """Gone (S3 answers a delete of a missing key the same way)."""
+    def delete(self, bucket: str, key: str, durable: bool = True) -> None:
+        """Gone (S3 answers a delete of a missing key the same way). Without `durable`, the
+        directory is not fsync'd: a crash may bring the object back (retention's deletes,
+        which the next sweep makes again)."""
         path = self._path(bucket, key)
         with self._lock(bucket, key):
             self._metas.pop((bucket, key), None)
@@ -187,7 +189,8 @@ class ObjectFiles:
             except FileNotFoundError:
                 return
             self._removed(path.parent, path.name)
-            self._fsync_dir(path.parent)
+            if durable:
+                self._fsync_dir(path.parent)
 
     def walk(self, bucket: str, prefix: str, after: str, group_dirs: bool) -> Iterator[str]:
         """Keys beginning with `prefix` and sorting after `after`, in S3's (UTF-8 byte)

@@ -138,7 +138,9 @@ class RetentionSweeper:
                     if not gone:
                         continue
                     for batch in gone:
-                        self.files.delete(self.bucket, _batch_key(cluster, topic, partition, batch))
+                        key = _batch_key(cluster, topic, partition, batch)
+                        # Not fsync'd one by one: one a crash brings back goes next sweep.
+                        self.files.delete(self.bucket, key, durable=False)
                     swept.batches[(topic, partition)] = len(gone)
                     swept.bytes += sum(b.size for b in gone)
                     log.info(
