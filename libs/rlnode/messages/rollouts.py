@@ -118,7 +118,15 @@ class TokenTurn(StrictModel):
     ref_logprobs: list[float] | None = Field(
         None, description="Reference-model logprobs, when the reference is stacked on inference."
     )
-    policy_version: NonNegativeInt
+    policy_version: NonNegativeInt = Field(
+        description="The weight version the turn's first token was sampled under."
+    )
+    last_policy_version: NonNegativeInt | None = Field(
+        None,
+        description="The version its last tokens were sampled under, when newer weights went "
+        "in while it was generated (vLLM's in-flight swap); each logprob is that of the "
+        "weights its token came from.",
+    )
     finish_reason: Literal["stop", "length", "abort"]
 
     @model_validator(mode="after")
@@ -190,4 +198,5 @@ class Trajectory(Envelope):
         if not self.turns:
             return None
         versions = [t.policy_version for t in self.turns]
+        versions += [t.last_policy_version for t in self.turns if t.last_policy_version]
         return min(versions), max(versions)

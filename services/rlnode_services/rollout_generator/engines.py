@@ -33,6 +33,7 @@ class Loaded:
     load_s: float
     probe_max_abs_diff: float
     fetched: Fetched | None = None
+    paused_s: float = 0.0  # generation held back for it (see WeightsLoadedData)
 
     @property
     def transport(self) -> Literal["shared-memory", "http"]:
@@ -84,6 +85,7 @@ class EnginePool:
                 else settings.gpu_memory_fraction,
                 "cpu_kv_cache_mib": settings.cpu_kv_cache_mib,
                 "enforce_eager": settings.enforce_eager,
+                "swap": settings.vllm_swap,
             }
             # The job's own bound on a sequence: vLLM otherwise sizes for the model's longest
             # (SmolLM2's 8192 needs 0.35 GiB of KV cache, and the CPU's default is 0.25).
@@ -139,7 +141,9 @@ class EnginePool:
                 (abs(a - b) for a, b in zip(recomputed, version.probe.logprobs, strict=True)),
                 default=0.0,
             )
-            return Loaded(seconds, diff, fetched)
+            # vLLM says how long it paused; the torch engine holds its batches for the load.
+            paused = getattr(engines.policy, "last_pause_s", seconds)
+            return Loaded(seconds, diff, fetched, paused)
 
     async def _weights_file(self, version: WeightVersion) -> tuple[Path, Fetched | None]:
         """The file to load: the learner's where this host sees it (shared memory), else

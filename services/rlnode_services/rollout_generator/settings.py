@@ -64,6 +64,12 @@ class GeneratorSettings(VaultClientSettings):
         description="vLLM: no torch.compile and no CUDA graphs: engines start sooner (each "
         "job's start pays it) and generate slower.",
     )
+    vllm_swap: Literal["keep", "wait"] = Field(
+        "keep",
+        description="vLLM: how requests in flight meet a new weight version: keep (they stop "
+        "where they are and go on under the new weights: generation waits only for the "
+        "reload) or wait (they finish on the old weights first while new ones queue).",
+    )
     max_model_len: int | None = Field(
         None,
         ge=16,

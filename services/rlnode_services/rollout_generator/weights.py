@@ -110,6 +110,7 @@ class WeightSync:
                     fetch_s=loaded.fetched.seconds if loaded.fetched else 0.0,
                     fetch_resumes=loaded.fetched.resumes if loaded.fetched else 0,
                     fetch_reused=loaded.fetched.reused if loaded.fetched else False,
+                    paused_s=loaded.paused_s,
                 ),
             )
         )
