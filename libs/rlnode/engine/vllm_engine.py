@@ -7,8 +7,9 @@ runs in CI on the CPU and on the node's GPUs.
 vLLM batches continuously by itself: there is no scheduler of ours. New weights go in
 through vLLM's own update path for a running engine: `pause_generation`, the workers'
 `reload_weights` from the version's file, `resume_generation`. By default (`swap="keep"`)
-the requests in flight stop where they are and go on under the new weights (their KV cache
-computed again: PipelineRL's in-flight update), so generation stalls only for the reload;
+the requests in flight stop where they are and go on under the new weights (in-flight
+updates, as PipelineRL's, with their KV cache computed again), so generation stalls only
+for the reload;
 each result says the versions its tokens were sampled under, and each token's logprob is
 that of the weights it came from, which is what the learner's importance ratio divides by.
 `swap="wait"` lets them finish on the old weights first while new ones queue. Nothing is
