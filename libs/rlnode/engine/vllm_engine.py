@@ -9,12 +9,11 @@ through vLLM's own update path for a running engine: `pause_generation`, the wor
 `reload_weights` from the version's file, `resume_generation`. By default (`swap="keep"`)
 the requests in flight stop where they are and go on under the new weights (in-flight
 updates, as PipelineRL's, with their KV cache computed again), so generation stalls only
-for the reload;
-each result says the versions its tokens were sampled under, and each token's logprob is
-that of the weights it came from, which is what the learner's importance ratio divides by.
-`swap="wait"` lets them finish on the old weights first while new ones queue. Nothing is
-pickled: the workers read the safetensors file themselves (memory-mapped), which on one
-node is as cheap as a copy through shared memory.
+for the reload; each result says the versions its tokens were sampled under, and each
+token's logprob is that of the weights it came from, which is what the learner's importance
+ratio divides by. `swap="wait"` lets them finish on the old weights first while new ones
+queue. Nothing is pickled: the workers read the safetensors file themselves (memory-
+mapped), which on one node is as cheap as a copy through shared memory.
 """
 
 from __future__ import annotations
