@@ -194,8 +194,8 @@ def main() -> None:
                 )
             )
             runs["sync_s"].append(sync)
-            for name, seconds in parts.items():
-                runs.setdefault(f"sync_{name}", []).append(seconds)
+            for name, part_s in parts.items():
+                runs.setdefault(f"sync_{name}", []).append(part_s)
             runs["raw_s"].append(
                 raw_save_load(trainer, Path(weights) / "raw.safetensors", args.dtype)
             )
