@@ -198,5 +198,5 @@ class Trajectory(Envelope):
         if not self.turns:
             return None
         versions = [t.policy_version for t in self.turns]
-        versions += [t.last_policy_version for t in self.turns if t.last_policy_version]
+        versions += [t.last_policy_version for t in self.turns if t.last_policy_version is not None]
         return min(versions), max(versions)

@@ -22,6 +22,7 @@ from rlnode.bus import ensure_topics
 from rlnode.bus.front import KafkaTlsFront
 from rlnode.bus.localbroker import LocalBroker, Storage, free_port
 from rlnode.bus.objectstore import LocalObjectStore
+from rlnode.bus.objectstore.process import RETENTION_EVERY_S
 from rlnode.bus.pki import Identity
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
@@ -140,10 +141,6 @@ def plan_env(plan: GpuPlan | None) -> tuple[list[dict[str, str]], dict[str, str]
 class Org:
     org_id: str
     token: str
-
-
-# How often the embedded broker's durable store sweeps the topics for retention.
-RETENTION_EVERY_S = 30.0
 
 
 def state_path(data_dir: Path) -> Path:

@@ -10,7 +10,7 @@ from pathlib import Path
 from aiohttp import web
 
 from rlnode.bus.objectstore.files import ObjectFiles
-from rlnode.bus.objectstore.process import read_credentials
+from rlnode.bus.objectstore.process import RETENTION_EVERY_S, read_credentials
 from rlnode.bus.objectstore.retention import RetentionSweeper, sweep_every
 from rlnode.bus.objectstore.server import make_app
 from rlnode.service.files import make_private
@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--retention-every-s",
         type=float,
-        default=30.0,
+        default=RETENTION_EVERY_S,
         help="apply the broker's topic retention to each bucket this often (0: never)",
     )
     parser.add_argument(

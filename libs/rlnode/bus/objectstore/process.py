@@ -23,6 +23,10 @@ from rlnode.bus.objectstore.sigv4 import Credentials
 BUCKET = "tansu"
 
 
+# How often the store applies the broker's topic retention (rlnode.bus.objectstore.retention).
+RETENTION_EVERY_S = 30.0
+
+
 class ObjectStoreError(RuntimeError):
     pass
 
@@ -58,7 +62,7 @@ class LocalObjectStore(ChildProcess):
         port: int | None = None,
         log_path: Path | None = None,
         start_timeout_s: float = 15.0,
-        retention_every_s: float = 30.0,
+        retention_every_s: float = RETENTION_EVERY_S,
         once_read_s: dict[str, float] | None = None,
     ) -> None:
         """`retention_every_s`: how often the broker's topic retention is applied to the

@@ -141,15 +141,16 @@ class RetentionSweeper:
                         key = _batch_key(cluster, topic, partition, batch)
                         # Not fsync'd one by one: one a crash brings back goes next sweep.
                         self.files.delete(self.bucket, key, durable=False)
+                    freed = sum(b.size for b in gone)
                     swept.batches[(topic, partition)] = len(gone)
-                    swept.bytes += sum(b.size for b in gone)
+                    swept.bytes += freed
                     log.info(
                         "retention: %s[%d]: deleted %d batches (%d bytes), offsets %d-%d; "
                         "%d left%s",
                         topic,
                         partition,
                         len(gone),
-                        sum(b.size for b in gone),
+                        freed,
                         gone[0].offset,
                         batches[len(gone)].offset - 1,
                         len(batches) - len(gone),
