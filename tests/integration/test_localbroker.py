@@ -319,7 +319,7 @@ def test_retention_drops_old_records_but_never_what_a_group_has_yet_to_read(tmp_
 
 
 @pytest.mark.parametrize("storage", ["memory", "durable"])
-def test_a_reader_from_a_time_skips_the_history_before_it(tmp_path, storage) -> None:
+def test_a_reader_from_a_time_skips_the_history_before_it(tmp_path, storage, monkeypatch) -> None:
     """A job's events are read from when its id was made: the reader seeks by the time
     records were stored (Tansu answers ListOffsets by timestamp), not from the beginning,
     and with nothing stored since then it follows from the end."""
@@ -349,6 +349,22 @@ def test_a_reader_from_a_time_skips_the_history_before_it(tmp_path, storage) -> 
         await _produce(settings.bootstrap_servers, "history", range(5, 8))
         assert await read(settings, cut, range(8, 9)) == (["r5", "r6", "r7"], ["r8"])
         assert await read(settings, time.time() + 1, range(9, 10)) == ([], ["r9"])
+        # A record stored just after the lookup by time found nothing (a job's verdict as its
+        # watcher starts) is read, not skipped by a seek to an end that has moved past it.
+        lookup = AIOKafkaConsumer.offsets_for_times
+
+        async def then_a_record(self, *args, **kwargs):
+            found = await lookup(self, *args, **kwargs)
+            await _produce(settings.bootstrap_servers, "history", range(10, 11))
+            return found
+
+        monkeypatch.setattr(AIOKafkaConsumer, "offsets_for_times", then_a_record)
+        async with TopicReader(settings, "history", service="t", since=time.time() + 1) as late:
+            got: list[str] = []
+            for _ in range(10):
+                got += [r.value.decode() for r in await late.fetch(timeout_ms=200)]
+            assert got == ["r10"]
+        monkeypatch.undo()
 
     with LocalBroker(storage=storage, data_dir=tmp_path / "store") as broker:
         asyncio.run(scenario(KafkaSettings(bootstrap_servers=broker.bootstrap_servers)))

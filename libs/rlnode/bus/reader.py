@@ -82,13 +82,17 @@ class TopicReader:
     async def _seek_to_time(
         consumer: AIOKafkaConsumer, partitions: list[TopicPartition], since: float
     ) -> None:
+        # The ends first: when nothing is stored since then, a record that arrives after the
+        # time lookup (a job's verdict, published as its watcher starts) is at or past them.
+        # Seeking to the end afterwards would skip it.
+        ends = await consumer.end_offsets(partitions)
         found = await consumer.offsets_for_times({p: int(since * 1000) for p in partitions})
         for partition in partitions:
             hit = found.get(partition)
             # Nothing stored since then: Kafka answers none, Tansu 0.6 offset 0 without a
-            # timestamp. Whatever comes later is after the end.
+            # timestamp.
             if hit is None or hit.timestamp < 0:
-                await consumer.seek_to_end(partition)
+                consumer.seek(partition, ends[partition])
             else:
                 consumer.seek(partition, hit.offset)
 
