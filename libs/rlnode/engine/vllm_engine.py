@@ -9,7 +9,7 @@ through vLLM's own update path for a running engine: `pause_generation`, the wor
 `reload_weights` from the version's file, `resume_generation`. By default (`swap="keep"`)
 the requests in flight stop where they are and go on under the new weights (in-flight
 updates, as PipelineRL's, with their KV cache computed again), so generation stalls only
-for the reload; each result says the versions its tokens were sampled under, and each
+for the reload (adapters merged into the base too, the CPU's default; see LoraServing); each result says the versions its tokens were sampled under, and each
 token's logprob is that of the weights it came from, which is what the learner's importance
 ratio divides by. `swap="wait"` lets them finish on the old weights first while new ones
 queue. Nothing is pickled: the workers read the safetensors file themselves (memory-
@@ -43,6 +43,7 @@ from rlnode.models.lora import (
     ADAPTER_WEIGHTS,
     AdapterError,
     check_adapter_fits,
+    merged_weights,
     saved_in_full,
     write_adapter_dir,
 )
@@ -58,6 +59,13 @@ DEFAULT_CPU_KV_CACHE_MIB = 512
 # How requests in flight meet a new weight version (see the module's docstring).
 SwapMode = Literal["keep", "wait"]
 SWAP_MODES: tuple[SwapMode, ...] = ("keep", "wait")
+# How an adapter version is served: through vLLM's LoRA path ("adapter": the base stays, the
+# adapter's low-rank product is added per token), or merged into the base and reloaded as
+# full weights ("merged"). vLLM's CPU LoRA kernels made generation 4.9x slower than the base
+# (bench/results/lora_sync.md) while a reload of SmolLM2 takes ~1 s, so on the CPU merging
+# wins; on a GPU the punica kernels cost little and an adapter is a few MB to load.
+LoraServing = Literal["auto", "adapter", "merged"]
+LORA_SERVINGS: tuple[LoraServing, ...] = ("auto", "adapter", "merged")
 
 
 def _import_vllm() -> Any:
@@ -84,11 +92,13 @@ class VLLMEngine:
         max_lora_rank: int | None = None,
         enforce_eager: bool = False,
         swap: SwapMode = "keep",
+        lora_serving: LoraServing = "auto",
     ) -> None:
-        """`max_lora_rank`: start with LoRA support, for a job that trains adapters of at
-        most this rank (its weight versions are then adapters, served as one). `swap`: how
-        requests in flight meet new full weights (adapters always wait: a request keeps the
-        adapter it started with).
+        """`max_lora_rank`: for a job that trains adapters of at most this rank (its weight
+        versions are then adapters). `lora_serving`: how they are served (see LoraServing;
+        auto: merged on the CPU, adapter on a GPU). `swap`: how requests in flight meet new
+        full weights, merged adapters included (vLLM's adapters always wait: a request keeps
+        the adapter it started with).
         `enforce_eager`: no torch.compile and no CUDA graphs (vLLM's own option): an engine
         up in about half the time on the CPU (22 s against 27 s with a warm compile cache,
         48 s with a cold one, for the tiny Qwen2), slower per token once up."""
@@ -99,6 +109,10 @@ class VLLMEngine:
 
         if swap not in SWAP_MODES:
             raise EngineError(f"swap={swap!r}: use one of {', '.join(SWAP_MODES)}")
+        if lora_serving not in LORA_SERVINGS:
+            raise EngineError(
+                f"lora_serving={lora_serving!r}: use one of {', '.join(LORA_SERVINGS)}"
+            )
         self.swap: SwapMode = swap
         # How long the last weight version held generation back: from the pause to the
         # resume (with swap="wait", the drain of the requests in flight included).
@@ -130,7 +144,10 @@ class VLLMEngine:
             # No longer than the model's own positions (vLLM refuses that).
             longest = config.get("max_position_embeddings")
             options["max_model_len"] = min(max_model_len, longest or max_model_len)
-        if max_lora_rank:
+        if lora_serving == "auto":
+            lora_serving = "merged" if self.device == "cpu" else "adapter"
+        self.lora_serving = lora_serving
+        if max_lora_rank and lora_serving == "adapter":
             # One adapter at a time (each weight version replaces the last); vLLM takes
             # ranks from a fixed list, so the job's is rounded up to the next it takes.
             options |= {
@@ -154,7 +171,9 @@ class VLLMEngine:
         self._staging = Path(tempfile.mkdtemp(prefix="rlnode-vllm-weights-"))
         self._load_lock = asyncio.Lock()
         self._lora: Any = None  # the LoRARequest of the loaded adapter (None: the base model)
-        self._max_lora_rank = options.get("max_lora_rank")
+        self._max_lora_rank = max_lora_rank or None
+        # Merged serving: the base weights of the modules adapters change, read once.
+        self._base_weights: dict[str, Any] = {}
         self.closed = False
 
     async def generate(self, request: GenerationRequest) -> GenerationResult:
@@ -197,10 +216,14 @@ class VLLMEngine:
         # vLLM's worker reads the file in its own process, so the check is a read of its own
         # (from the page cache, or from memory when the learner writes to /dev/shm).
         await asyncio.to_thread(check_digest, path, None, digest)
-        if adapter is not None:
+        if adapter is not None and self.lora_serving == "adapter":
             await self._load_adapter(path, version, adapter)
             return time.perf_counter() - started
-        staged = await asyncio.to_thread(self._stage, path, version)
+        if adapter is not None:
+            self._check_adapter_rank(adapter)
+            staged = await asyncio.to_thread(self._stage_merged, path, version, adapter)
+        else:
+            staged = await asyncio.to_thread(self._stage, path, version)
         async with self._load_lock:
             paused = time.perf_counter()
             # clear_cache: no KV computed under the old weights is used again (with "keep",
@@ -221,17 +244,7 @@ class VLLMEngine:
     async def _load_adapter(self, path: Path, version: int, adapter: LoraSpec) -> None:
         """Serve the adapter in `path` from now on: vLLM loads it (from a PEFT directory
         staged for it) before any request uses it, and drops the last version's."""
-        if self._max_lora_rank is None:
-            raise EngineError(
-                "this vLLM engine was started without LoRA support, and the weight version is "
-                "an adapter: start it with max_lora_rank (the generator does for work of a "
-                "job with [training.lora])"
-            )
-        if adapter.rank > self._max_lora_rank:
-            raise EngineError(
-                f"the adapter's rank {adapter.rank} is above the engine's max_lora_rank "
-                f"{self._max_lora_rank}"
-            )
+        self._check_adapter_rank(adapter)
         shapes = _safetensors_shapes(path)
         try:
             check_adapter_fits(shapes, self._expected, adapter)
@@ -262,6 +275,55 @@ class VLLMEngine:
         if previous is not None:
             await self._engine.remove_lora(previous.lora_int_id)
         await asyncio.to_thread(self._unstage_all_but, staged)
+
+    def _check_adapter_rank(self, adapter: LoraSpec) -> None:
+        if self._max_lora_rank is None:
+            raise EngineError(
+                "this vLLM engine was started without LoRA support, and the weight version is "
+                "an adapter: start it with max_lora_rank (the generator does for work of a "
+                "job with [training.lora])"
+            )
+        if adapter.rank > self._max_lora_rank:
+            raise EngineError(
+                f"the adapter's rank {adapter.rank} is above the engine's max_lora_rank "
+                f"{self._max_lora_rank}"
+            )
+
+    def _stage_merged(self, path: Path, version: int, adapter: LoraSpec) -> Path:
+        """The adapter merged into the base (W + alpha/rank x B A, and the modules it saves
+        in full) as a file of full weights for the reload. Each version merges into the
+        base, not into the last merge; every tensor beside an adapted one is written too, so
+        that a layer vLLM fuses (q, k, v as one; gate and up) gets all of its parts."""
+        from safetensors import safe_open
+        from safetensors.torch import load_file, save_file
+
+        tensors = load_file(str(path))
+        try:
+            modules = check_adapter_fits(
+                {k: tuple(v.shape) for k, v in tensors.items()}, self._expected, adapter
+            )
+        except AdapterError as e:
+            raise EngineError(f"the adapter does not fit the model: {e}") from None
+        parents = {module.rpartition(".")[0] + "." for module in modules}
+        wanted = {n for n in self._expected if n.startswith(tuple(parents))}
+        wanted |= set(saved_in_full(tensors).values())
+        missing = wanted - self._base_weights.keys()
+        for file in sorted(self.model_path.glob("*.safetensors")) if missing else []:
+            with safe_open(str(file), framework="pt") as handle:
+                for name in missing & set(handle.keys()):
+                    self._base_weights[name] = handle.get_tensor(name)
+        try:
+            merged = merged_weights(self._base_weights, tensors, adapter)
+        except AdapterError as e:
+            raise EngineError(f"the adapter does not fit the model: {e}") from None
+        state = {name: self._base_weights[name] for name in wanted} | merged
+        if self._tied and TIED_INPUT in state:  # the tied output layer follows (see _stage)
+            state[TIED_OUTPUT] = state[TIED_INPUT].clone()
+        staged = self._staging / f"v{version:06d}"
+        shutil.rmtree(staged, ignore_errors=True)
+        staged.mkdir()
+        save_file({k: v.contiguous() for k, v in state.items()}, str(staged / "model.safetensors"))
+        return staged
 
     def _stage_adapter(
         self, path: Path, version: int, adapter: LoraSpec, shapes: dict[str, tuple[int, ...]]

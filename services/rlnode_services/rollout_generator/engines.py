@@ -92,6 +92,7 @@ class EnginePool:
             options["max_model_len"] = settings.max_model_len or model.max_seq_len
             if lora is not None and not reference:  # the reference is the base, adapterless
                 options["max_lora_rank"] = lora.rank
+                options["lora_serving"] = settings.vllm_lora_serving
         return create_engine(settings.engine, model.source, **options)
 
     async def for_job(
