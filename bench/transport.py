@@ -94,7 +94,15 @@ async def weight_sync(
     async def on_version(version: WeightVersion, _delivery) -> None:
         await arrived.put(version)
 
-    bus.subscribe(topics.WEIGHT_VERSIONS, on_version, group_id=None, from_beginning=False)
+    # Subscribed as a generator is (services/rlnode_services/rollout_generator/app.py): its
+    # rollout path polls every rollout_fetch_max_wait_ms, not the 500 ms of the rest.
+    bus.subscribe(
+        topics.WEIGHT_VERSIONS,
+        on_version,
+        group_id=None,
+        from_beginning=False,
+        fetch_max_wait_ms=settings.rollout_fetch_max_wait_ms,
+    )
     await bus.start()
     try:
         job = f"bench-{uuid.uuid4().hex[:8]}"
