@@ -54,9 +54,19 @@ async def test_every_message_type_round_trips(make_bus) -> None:
     bus = make_bus("roundtrip")
     received: dict[str, asyncio.Queue] = {t: asyncio.Queue() for t in topics.ALL_TOPICS}
     # Group-less readers: group behaviour has tests of its own, and six group joins are slow.
-    for topic in topics.ALL_TOPICS:
-        bus.subscribe(topic, _queue_handler(received[topic]), group_id=None)
+    # A group-less reader's consumer takes the options given (the generator's weight
+    # versions poll as the rollout path does).
+    poll = {topics.WEIGHT_VERSIONS: {"fetch_max_wait_ms": 20}}
+    subscriptions = {
+        topic: bus.subscribe(
+            topic, _queue_handler(received[topic]), group_id=None, **poll.get(topic, {})
+        )
+        for topic in topics.ALL_TOPICS
+    }
     await bus.start()
+    readers = {topic: s._reader for topic, s in subscriptions.items()}
+    assert readers[topics.WEIGHT_VERSIONS].consumer._fetch_max_wait_ms == 20  # type: ignore[union-attr]
+    assert readers[topics.JOB_EVENTS].consumer._fetch_max_wait_ms == bus.settings.fetch_max_wait_ms  # type: ignore[union-attr]
     for message in sent:
         await bus.publish(message)
     for message in sent:

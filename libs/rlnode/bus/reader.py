@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.errors import KafkaConnectionError
@@ -31,10 +32,13 @@ class TopicReader:
         from_beginning: bool = True,
         since: float | None = None,
         topic_wait_s: float = 10.0,
+        **consumer_options: Any,
     ) -> None:
         """`key`: read only the partition that records keyed by it land on (a job id).
         `since` (epoch seconds): start at the first record stored at or after it rather than
-        at the beginning, so that what it costs does not grow with the topic's history."""
+        at the beginning, so that what it costs does not grow with the topic's history.
+        `consumer_options`: the consumer's own (fetch_max_wait_ms for a reader on the
+        rollout path)."""
         self.settings = settings
         self.topic = topic
         self.service = service
@@ -42,6 +46,7 @@ class TopicReader:
         self.from_beginning = from_beginning
         self.since = since
         self.topic_wait_s = topic_wait_s
+        self.consumer_options = consumer_options
         # Set once every record that existed at the start has been read.
         self.caught_up = asyncio.Event()
         self._consumer: AIOKafkaConsumer | None = None
@@ -61,7 +66,9 @@ class TopicReader:
         if self.key is not None:
             numbers = [clients.partition_for(self.key, numbers)]
         partitions = [TopicPartition(self.topic, n) for n in numbers]
-        consumer = clients.consumer(self.settings, self.service, group_id=None)
+        consumer = clients.consumer(
+            self.settings, self.service, group_id=None, **self.consumer_options
+        )
         try:
             await consumer.start()
         except (KafkaConnectionError, OSError) as e:

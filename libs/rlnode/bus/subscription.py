@@ -122,8 +122,15 @@ class Subscription(Generic[M]):
     async def start(self) -> None:
         service = self.bus.service
         if self.group_id is None:
+            # The consumer's options hold for a group-less reader too: the generator's weight
+            # versions are read with the rollout path's short poll (B4: at the default 500 ms a
+            # version waited ~150 ms for its fetch).
             self._reader = TopicReader(
-                self.bus.settings, self.topic, service=service, from_beginning=self.from_beginning
+                self.bus.settings,
+                self.topic,
+                service=service,
+                from_beginning=self.from_beginning,
+                **self._consumer_options,
             )
             await self._reader.start()
         else:
