@@ -194,3 +194,54 @@ def test_with_cgroups_an_app_reaches_its_own_sockets_and_no_one_elses(tmp_path) 
     assert "add rule inet rlnode_t input iif lo ct state new ct mark vmap @owners" in rules
     # Without cgroups, nothing of the machine's own is let through.
     assert "fib daddr type local" not in TaskAppFirewall("rlnode_t", []).ruleset()
+
+
+@can_install
+def test_a_new_task_app_gets_no_uid_another_node_confines_or_a_process_owns(
+    tmp_path: Path,
+) -> None:
+    """Two nodes on one machine whose orgs name their apps alike: the second gateway's
+    preferred uid is the first's. A uid another node's table confines (its gateway alive or
+    SIGKILLed, the table left) would take that node's rules, which hold none of this node's
+    rollout endpoints; one that owns a process would have it killed with this app's."""
+    import subprocess
+
+    from sqlmodel import Session, select
+
+    from rlnode_services.taskapp_gateway.sandbox import preferred_uid
+    from rlnode_services.taskapp_gateway.store import SandboxRecord
+
+    base = 3_000_000
+    confined = preferred_uid(base, "org-a", "app", 0)
+    running = preferred_uid(base, "org-a", "app", 1)
+    other = table_name(f"other-node-{os.getpid()}")
+    script = f"add table inet {other}\nadd set inet {other} taskapps {{ typeof meta skuid ; }}\n"
+    script += f"add element inet {other} taskapps {{ {confined} }}\n"
+    subprocess.run(["nft", "-f", "-"], input=script.encode(), check=True)
+    sleeper = subprocess.Popen(["sleep", "60"], user=running, group=running)
+    settings = GatewaySettings(
+        sandbox_uid_base=base,
+        sandbox_dir=tmp_path / "homes",
+        taskapp_network="open",
+        allow_urls_to=["loopback"],
+    )
+    engine = make_engine(f"sqlite:///{tmp_path / 'gateway.sqlite3'}")
+
+    async def register() -> None:
+        gateway = Gateway(engine, settings, KeyProvider("http://127.0.0.1:9", None, 0), tmp_path)
+        await gateway.start()
+        try:
+            await gateway.register(
+                "org-a", RegisterTaskApp(name="app", command=[sys.executable, "-c", "pass"])
+            )
+        finally:
+            await gateway.aclose()
+
+    try:
+        asyncio.run(register())
+        with Session(engine) as s:
+            (uid,) = s.exec(select(SandboxRecord.uid)).all()
+        assert uid == preferred_uid(base, "org-a", "app", 2)
+    finally:
+        sleeper.kill()
+        subprocess.run(["nft", "delete", "table", "inet", other], check=True)

@@ -26,11 +26,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import ipaddress
+import json
 import logging
 import os
 import re
 import shutil
 import socket
+import subprocess
 import time
 from enum import StrEnum
 from pathlib import Path
@@ -73,6 +75,37 @@ class IsolationUnavailable(RuntimeError):
 def table_name(node_identity: str) -> str:
     """One table per node: its gateways share a database, so its URL names the node."""
     return "rlnode_" + hashlib.blake2b(node_identity.encode(), digest_size=6).hexdigest()
+
+
+def uids_confined_elsewhere(own_table: str, nft: str | None = None) -> set[int]:
+    """The Task App uids the tables of this machine's other nodes confine (their gateways
+    running, or SIGKILLed and their tables left behind): a uid of theirs given to an app
+    here would go through their rules too, which hold none of this node's rollout
+    endpoints. Empty where nft cannot be asked (no nft, not root: no rules to meet)."""
+    binary = nft or shutil.which("nft")
+    if binary is None:
+        return set()
+    try:
+        listed = subprocess.run(
+            [binary, "-j", "list", "sets", "inet"],
+            capture_output=True,
+            timeout=NFT_TIMEOUT_S,
+            check=True,
+        ).stdout
+        entries = json.loads(listed).get("nftables", [])
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return set()
+    uids: set[int] = set()
+    for entry in entries:
+        found = entry.get("set") if isinstance(entry, dict) else None
+        if (
+            isinstance(found, dict)
+            and found.get("name") == "taskapps"
+            and str(found.get("table", "")).startswith("rlnode_")
+            and found.get("table") != own_table
+        ):
+            uids.update(e for e in found.get("elem", []) if isinstance(e, int))
+    return uids
 
 
 Network = ipaddress.IPv4Network | ipaddress.IPv6Network

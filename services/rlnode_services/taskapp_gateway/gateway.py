@@ -30,16 +30,19 @@ from rlnode_services.taskapp_gateway.firewall import (
     TaskAppFirewall,
     TaskAppNetwork,
     table_name,
+    uids_confined_elsewhere,
 )
 from rlnode_services.taskapp_gateway.keys import KeyProvider, KeyUnavailable
 from rlnode_services.taskapp_gateway.managed import ManagedSpec, ManagedTaskApp
 from rlnode_services.taskapp_gateway.outbound import UrlRefused, check_url
 from rlnode_services.taskapp_gateway.sandbox import (
+    UID_SPAN,
     Limits,
     Sandbox,
     preferred_uid,
     remove_home,
     runs_as_root,
+    uids_running,
 )
 from rlnode_services.taskapp_gateway.schemas import (
     Check,
@@ -90,6 +93,7 @@ class Gateway:
         self._contracts: dict[str, asyncio.Future[ContainerApp | None]] = {}
         # The node's gateways share the database: its URL names the node's firewall table.
         table = settings.taskapp_firewall_table or table_name(str(engine.url))
+        self.firewall_table = table
         self.network = TaskAppNetwork(
             NetworkMode(settings.taskapp_network),
             TaskAppFirewall(table, settings.taskapp_allow_to, cgroups=OwnCgroups.here(table)),
@@ -274,8 +278,14 @@ class Gateway:
         ).first()
 
     def _new_sandbox(self, s: Session, org_id: str, name: str, limits: Limits) -> SandboxRecord:
-        """A uid no other Task App of this gateway has (searched from a spot spread by name)."""
+        """A uid no other Task App has, of this node or another on this machine (searched
+        from a spot spread by name): one that owns a process, or that another node's table
+        confines, would be that app's too (its rules, its processes killed with ours)."""
         taken = set(s.exec(select(SandboxRecord.uid)))
+        if self._own_users:
+            base = self.settings.sandbox_uid_base
+            taken |= uids_running(base, base + UID_SPAN)
+            taken |= uids_confined_elsewhere(self.firewall_table)
         attempt = 0
         while (
             uid := preferred_uid(self.settings.sandbox_uid_base, org_id, name, attempt)

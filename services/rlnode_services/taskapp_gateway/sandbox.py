@@ -148,6 +148,11 @@ def kill_user_processes(uid: int, rounds: int = 5) -> int:
     return killed
 
 
+def uids_running(first: int, last: int) -> set[int]:
+    """The uids from `first` to `last` that own a process on this machine now."""
+    return {uid for pid in _pids() if (uid := _owner(pid)) is not None and first <= uid <= last}
+
+
 def _pids() -> list[int]:
     return [int(name) for name in os.listdir("/proc") if name.isdigit()]
 
