@@ -176,14 +176,18 @@ def processes_with(marker: str) -> list[int]:
 
 
 def free_port_block() -> int:
-    """A base port such that every service's port in a node's block is free on loopback now."""
+    """A base port such that every service's port in a node's block is free on loopback now,
+    the block below the kernel's ephemeral range: there an outgoing connection (a Kafka
+    client's, a health check's) may take a service's port between this check and its bind,
+    and hold it for as long as it stays open (the service then never starts)."""
     from rlnode.service.registry import SERVICES, port_offset
 
     offsets = [port_offset(spec) for spec in SERVICES]
     import random
 
+    ephemeral_from = _ephemeral_ports()[0]
     for _ in range(200):
-        base = random.randrange(20_000, 60_000)
+        base = random.randrange(10_000, ephemeral_from - max(offsets) - 1)
         try:
             for offset in offsets:
                 with socket.socket() as s:
@@ -192,6 +196,16 @@ def free_port_block() -> int:
             continue
         return base
     raise RuntimeError("no free block of ports found")
+
+
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel takes outgoing connections' ports from (Linux's default where it
+    cannot be read)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32_768, 60_999
 
 
 def run_rlnode(

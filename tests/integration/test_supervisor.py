@@ -35,7 +35,12 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
         stderr=subprocess.STDOUT,
     )
     try:
-        wait_until(lambda: run_rlnode(env, "status").returncode == 0, 180, "the node is healthy")
+        try:
+            wait_until(
+                lambda: run_rlnode(env, "status").returncode == 0, 180, "the node is healthy"
+            )
+        except TimeoutError as e:
+            raise AssertionError(_what_the_node_said(e, env, tmp_path)) from None
         status = run_rlnode(env, "status").stdout
         for service in (
             "credential-vault",
@@ -67,12 +72,8 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
 
         try:
             wait_until(learner_back, 120, "the learner is back")
-        except TimeoutError as e:  # what the supervisor and the learner said, to see why
-            logs = [tmp_path / "up.log", tmp_path / "logs" / "learner.log"]
-            said = "\n".join(f"-- {p}:\n{p.read_text()[-3000:]}" for p in logs if p.exists())
-            raise AssertionError(
-                f"{e}; status: {run_rlnode(env, 'status').stdout}\n{said}"
-            ) from None
+        except TimeoutError as e:
+            raise AssertionError(_what_the_node_said(e, env, tmp_path)) from None
         said = (tmp_path / "up.log").read_text()
         assert "learner exited with code -9; starting it again" in said
         assert "learner started again" in said
@@ -95,6 +96,19 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
     assert not (tmp_path / "node.json").exists()
     assert processes_with(str(tmp_path)) == []
     assert run_rlnode(env, "status").returncode == 1
+
+
+def _what_the_node_said(e: Exception, env: dict, data_dir: Path) -> str:
+    """The timeout, `rlnode status`, and the tails of the supervisor's log and of every
+    service's that is not healthy: to see why from a CI log alone."""
+    status = run_rlnode(env, "status").stdout
+    logs = [data_dir / "up.log"] + [
+        data_dir / "logs" / f"{line.split()[0].replace('/', '-')}.log"
+        for line in status.splitlines()[1:]
+        if line.split()[1:2] == ["NO"]
+    ]
+    said = "\n".join(f"-- {p}:\n{p.read_text()[-3000:]}" for p in logs if p.exists())
+    return f"{e}; status:\n{status}\n{said}"
 
 
 def test_a_killed_service_takes_the_processes_it_started_with_it(tmp_path) -> None:

@@ -297,7 +297,7 @@ def _status(_args: argparse.Namespace) -> int:
     for r in rows:
         print(
             f"{r['service']:<30} {'yes' if r['healthy'] else 'NO':<8} {r['pid'] or '-':>8} "
-            f"{r['restarts']:>8}  {r['url']}"
+            f"{r['restarts']:>8}  {r['url']}" + (f"  ({r['problem']})" if r["problem"] else "")
         )
     return 0 if all(r["healthy"] for r in rows) else 1
 
