@@ -23,8 +23,8 @@ VLLM_ON_THE_CPU = {
     "GENERATOR_ENGINE": "vllm",
     "GENERATOR_DTYPE": "float32",
     "GENERATOR_CPU_KV_CACHE_MIB": "256",
-    # Engines up in about half the time. The compiled path (vLLM's default) is tested too:
-    # the conformance suite's tiny-qwen2 case and test_real_model_engines.py.
+    # Engines up in about half the time. The compiled path (vLLM's default) is the
+    # conformance suite's tiny-qwen2 case.
     "GENERATOR_ENFORCE_EAGER": "true",
 }
 
