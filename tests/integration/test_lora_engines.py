@@ -30,13 +30,7 @@ def base(tmp_path_factory) -> Path:
     return init_model(tmp_path_factory.mktemp("lora") / "tiny-llama", "tiny-llama", seed=0)
 
 
-@pytest.fixture(scope="module", params=[LORA, WITH_EMBEDDING], ids=["lora", "lora+embedding"])
-def spec(request) -> LoraSpec:
-    return request.param
-
-
-@pytest.fixture(scope="module")
-def trainer(base, spec) -> Trainer:
+def _trainer(base: Path, spec: LoraSpec) -> Trainer:
     config = TrainerConfig.of(TrainingSpec(learning_rate=5e-2, lora=spec.model_dump()))
     return Trainer(base, config)
 
@@ -58,8 +52,9 @@ def _train_and_publish(trainer: Trainer, path: Path) -> str:
 
 
 @pytest.fixture(scope="module", params=["torch", "vllm-adapter", "vllm-merged"])
-async def engine(request, base, spec):
-    """An engine per job kind: one whose adapters save the embedding changes its base."""
+async def engine(request, base):
+    """An engine of each kind, serving both adapter specs in turn (plain adapters first: a
+    version whose adapters save the embedding changes the base under later ones)."""
     if request.param.startswith("vllm"):
         pytest.importorskip("vllm", reason="vLLM is not installed (make setup installs it)")
         engine = create_engine(
@@ -77,11 +72,11 @@ async def engine(request, base, spec):
     await engine.close()
 
 
-async def test_adapter_versions_are_served_with_the_trainers_logprobs(
-    engine, trainer, spec, tmp_path
-):
+@pytest.mark.parametrize("spec", [LORA, WITH_EMBEDDING], ids=["lora", "lora+embedding"])
+async def test_adapter_versions_are_served_with_the_trainers_logprobs(engine, base, spec, tmp_path):
+    trainer = _trainer(base, spec)
     probe = _prompt(trainer.tokenizer, "The parity probe: 0123456789")
-    (base_scores,) = await engine.score([probe])
+    (before,) = await engine.score([probe])  # the base, or the last case's last version
     first = engine.policy_version + 1
     for version in (first, first + 1):  # the second replaces the first (not stacked on it)
         path = tmp_path / f"v{version}.safetensors"
@@ -92,7 +87,7 @@ async def test_adapter_versions_are_served_with_the_trainers_logprobs(
         await engine.load_weights(path, version, digest, adapter=spec)
         assert engine.policy_version == version
         (served,) = await engine.score([probe])
-        assert served != pytest.approx(base_scores, abs=1e-3)  # the adapter does something
+        assert served != pytest.approx(before, abs=1e-3)  # the adapter does something
         assert served == pytest.approx(trainer.score(probe), abs=TOLERANCE)
         prompt = _prompt(trainer.tokenizer)
         result = await engine.generate(GenerationRequest(prompt, max_tokens=6, temperature=1.0))
@@ -102,7 +97,7 @@ async def test_adapter_versions_are_served_with_the_trainers_logprobs(
 
 
 async def test_an_adapter_that_does_not_fit_is_refused_and_the_engine_goes_on(
-    engine, trainer, tmp_path
+    engine, tmp_path
 ) -> None:
     path = tmp_path / "bad.safetensors"
     name = "base_model.model.model.layers.0.self_attn.q_proj"
@@ -119,5 +114,5 @@ async def test_an_adapter_that_does_not_fit_is_refused_and_the_engine_goes_on(
     with pytest.raises(EngineError, match="not a LoRA adapter tensor"):
         await engine.load_weights(path, before + 1, adapter=LORA)
     assert engine.policy_version == before
-    result = await engine.generate(GenerationRequest(_prompt(trainer.tokenizer), max_tokens=2))
+    result = await engine.generate(GenerationRequest(_prompt(engine.tokenizer), max_tokens=2))
     assert result.policy_version == before
