@@ -354,9 +354,19 @@ def _vm_hwm(pid: int) -> float:
 
 
 def _children(pid: int) -> list[int]:
+    """Every descendant of `pid` still running; a thread or process that ends while it is
+    read is passed over (vLLM's workers start and end threads all the time)."""
     found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        for child in (task / "children").read_text().split():
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return found
+    for task in tasks:
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue
+        for child in children:
             found.append(int(child))
             found.extend(_children(int(child)))
     return found
