@@ -9,14 +9,28 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
+from collections import deque
 from pathlib import Path
 from typing import BinaryIO
 
+# Ports this process handed out lately: free to the kernel until their process binds them,
+# so it can offer one again; a node starting its services gave the gateway's to a generator.
+_HANDED_OUT: deque[int] = deque(maxlen=4096)
+_HANDED_OUT_LOCK = threading.Lock()
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+    """A port free on `host` now, and none this process handed out lately."""
+    with _HANDED_OUT_LOCK:
+        for _ in range(100):
+            with socket.socket() as s:
+                s.bind((host, 0))
+                port = s.getsockname()[1]
+            if port not in _HANDED_OUT:
+                _HANDED_OUT.append(port)
+                return port
+    raise OSError(f"no free port on {host} that this process has not handed out lately")
 
 
 def open_log(path: Path) -> BinaryIO:
