@@ -14,6 +14,7 @@ from rlnode.examples import example_job
 from rlnode.models.build import init_tiny_model
 from rlnode.node.local import LocalNode, NodeOptions, Org
 from rlnode.sdk.checkpoints import CheckpointClient
+from rlnode.service.registry import VAULT
 from rlnode.testing import unique_id, wait_until
 
 VICTIM_KEY = "tk-victim-" + "5" * 24
@@ -38,7 +39,10 @@ def attacked(tmp_path_factory) -> Iterator[AttackedNode]:
 
     directory = tmp_path_factory.mktemp("attacked")
     # A broker of its own, as a node has: nothing of other tests' on its topics.
-    with LocalNode(NodeOptions(data_dir=directory / "node")) as node:
+    # Job tokens live their longest (an hour, not 10 minutes): the session's later files
+    # replay the victim's, and run on a pytest worker beside others' files, well after it.
+    vault = {"VAULT_JOB_TOKEN_TTL_S": "3600"}
+    with LocalNode(NodeOptions(data_dir=directory / "node", env={VAULT.name: vault})) as node:
         attacker = node.create_org(unique_id("attacker"), {"ENVIRONMENT_API_KEY": "tk-attacker"})
         victim = node.create_org(unique_id("victim"), {"ENVIRONMENT_API_KEY": VICTIM_KEY})
         assert node.register_example_task_app(victim, "copy", "copy_task")["ok"]
