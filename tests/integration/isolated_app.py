@@ -30,7 +30,8 @@ async def run_episode(task: dict[str, Any], episode: Episode) -> None:
             os._exit(3)
         case "sleep":
             started = time.monotonic()  # CLOCK_MONOTONIC: one clock for every process
-            time.sleep(0.5)  # noqa: ASYNC251 - blocking on purpose: the worker is its own process
+            # Long enough to overlap on a loaded machine (0.5 s did not, beside another worker).
+            time.sleep(3)  # noqa: ASYNC251 - blocking on purpose: the worker is its own process
             info = {"pid": os.getpid(), "ran": [started, time.monotonic()]}
             episode.step({}, answer.text, 1.0, done=True, info=info)
             return
