@@ -101,12 +101,11 @@ def test_up_restarts_a_killed_service_and_down_stops_everything(tmp_path: Path) 
 def _what_the_node_said(e: Exception, env: dict, data_dir: Path) -> str:
     """The timeout, `rlnode status`, and the tails of the supervisor's log and of every
     service's that is not healthy: to see why from a CI log alone."""
+    from rlnode.node.supervisor import status as services_status
+
     status = run_rlnode(env, "status").stdout
-    logs = [data_dir / "up.log"] + [
-        data_dir / "logs" / f"{line.split()[0].replace('/', '-')}.log"
-        for line in status.splitlines()[1:]
-        if line.split()[1:2] == ["NO"]
-    ]
+    rows = services_status(data_dir) if (data_dir / "node.json").exists() else []
+    logs = [data_dir / "up.log"] + [Path(r["log"]) for r in rows if not r["healthy"]]
     said = "\n".join(f"-- {p}:\n{p.read_text()[-3000:]}" for p in logs if p.exists())
     return f"{e}; status:\n{status}\n{said}"
 
