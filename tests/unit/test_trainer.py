@@ -164,8 +164,11 @@ def _sharded_worker(rank: int, world: int, port: int, model_dir: str, out: str) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        trainer = Trainer(model_dir, _config())
+        # Budgets sized from measurement: both ranks take each other's figures (one pass
+        # either way, so the update is the one process's).
+        trainer = Trainer(model_dir, _config(tokens_per_micro_batch="measured"))
         metrics = trainer.step(_samples(trainer))
+        assert metrics.micro_batch_tokens == 1024 and trainer.micro_batches.bytes_per_token > 0
         # Each rank holds a shard of every parameter and of its gradient.
         shard = next(trainer.model.parameters())
         assert shard.to_local().shape[0] < shard.shape[0]

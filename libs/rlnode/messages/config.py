@@ -288,7 +288,13 @@ class TrainingSpec(StrictModel):
     )
     weight_sync_every: PositiveInt = 1
     checkpoint_every: PositiveInt = 10
-    tokens_per_micro_batch: PositiveInt = Field(8192, description="Gradient-accumulation budget.")
+    tokens_per_micro_batch: PositiveInt | Literal["measured"] = Field(
+        "measured",
+        description="Gradient-accumulation budget: padded tokens (rows x longest row) per "
+        "forward and backward pass. 'measured': sized by the trainer from its own passes (the "
+        "fastest power of two whose activations fit half the memory at hand; "
+        "rlnode.training.micro_batch_sizing); a number fixes it.",
+    )
     logit_chunk_tokens: PositiveInt = Field(
         64,
         le=65_536,

@@ -193,6 +193,12 @@ class TrainStepData(EventData):
         "wall time of the step's generation (and Task App calls).",
     )
     trained_samples: NonNegativeInt = 0
+    micro_batch_tokens: PositiveInt | None = Field(
+        None,
+        description="The token budget the step's micro-batches were packed to (sized from the "
+        "trainer's measurements unless the job fixes tokens_per_micro_batch); None when the "
+        "step trained nothing.",
+    )
     world_size: PositiveInt = 1
     failed_rollouts: NonNegativeInt = 0
     merged_trajectories: NonNegativeInt = Field(

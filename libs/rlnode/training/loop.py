@@ -550,9 +550,9 @@ class JobRunner:
         if len(samples) >= trainer.world:
             metrics = await self._policy.on_trainer_thread(trainer.step, samples)
             loss, kl, clip, tokens = metrics.loss, metrics.kl, metrics.clip_fraction, metrics.tokens
-            mismatch_kl = metrics.mismatch_kl
+            mismatch_kl, micro_batch_tokens = metrics.mismatch_kl, metrics.micro_batch_tokens
         else:  # every group tied: nothing to learn from this batch, but the step counts
-            loss, kl, clip, tokens, mismatch_kl = 0.0, None, 0.0, 0, None
+            loss, kl, clip, tokens, mismatch_kl, micro_batch_tokens = 0.0, None, 0.0, 0, None, 0
         compute_s = time.perf_counter() - started
         self.trained.update(str(t.work_id) for t in trajectories)
         self.step = step + 1
@@ -580,6 +580,7 @@ class JobRunner:
                 compute_s=compute_s,
                 generation_s=max((t.duration_s for t in trajectories), default=0.0),
                 trained_samples=len(samples),
+                micro_batch_tokens=micro_batch_tokens or None,
                 world_size=trainer.world,
                 failed_rollouts=len(trajectories) - len(ok),
                 merged_trajectories=batch.merged_trajectories,

@@ -41,6 +41,7 @@ from rlnode.models.safetensors_io import TensorSpec, write_safetensors
 from rlnode.training.grpo import Sample, trained_tokens
 from rlnode.training.losses import LossInputs, LossSettings, loss_settings, make_loss
 from rlnode.training.losses.tinker import TokenLoss
+from rlnode.training.micro_batch_sizing import MicroBatchSizer
 from rlnode.training.storage import temporary_sibling
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -60,7 +61,7 @@ class TrainerConfig:
     algorithm: str  # the policy loss (rlnode.training.losses)
     loss: LossSettings
     temperature: float  # the sampling temperature: logprobs are of logits / temperature
-    tokens_per_micro_batch: int
+    tokens_per_micro_batch: int | None  # None: sized from measurement (MicroBatchSizer)
     minibatches: int  # optimizer steps per training step (see minibatch_parts)
     seed: int
     logit_chunk_tokens: int = 64
@@ -85,7 +86,9 @@ class TrainerConfig:
             loss=loss_settings(training, sampling),
             # Temperature 0 is greedy sampling, scored at temperature 1 (see rlnode.engine).
             temperature=sampling.temperature if sampling.temperature > 0 else 1.0,
-            tokens_per_micro_batch=training.tokens_per_micro_batch,
+            tokens_per_micro_batch=None
+            if training.tokens_per_micro_batch == "measured"
+            else training.tokens_per_micro_batch,
             minibatches=training.minibatches,
             seed=training.seed,
             logit_chunk_tokens=training.logit_chunk_tokens,
@@ -107,6 +110,7 @@ class StepMetrics:
     # k3 of KL(sampler ‖ trainer) over the step's tokens before its first update: the
     # engines' numerical gap plus the samples' staleness (None: nothing trained).
     mismatch_kl: float | None = None
+    micro_batch_tokens: int = 0  # the budget its micro-batches were packed to (the largest)
 
 
 def _world() -> tuple[int, int]:
@@ -422,6 +426,12 @@ class Trainer:
         self.policy: torch.nn.Module = CompletionLogprobs(self.model, config.logit_chunk_tokens)
         if self.world > 1:
             self.policy = _shard(self.policy, device)
+        self.micro_batches = MicroBatchSizer(
+            device,
+            fixed=config.tokens_per_micro_batch,
+            reduce=lambda values, ops: _all_reduce(values, device, ops),
+        )
+        self.micro_batches.exclude(self.policy.parameters())
         self.reference: torch.nn.Module | None = None
         self.reference_device = reference_device or device
         if reference_on_trainer:
@@ -487,6 +497,7 @@ class Trainer:
             samples=len(samples),
             compute_s=time.perf_counter() - started,
             mismatch_kl=results[0].mismatch_kl,
+            micro_batch_tokens=max(r.micro_batch_tokens for r in results),
         )
 
     def _proximal_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
@@ -495,7 +506,7 @@ class Trainer:
         mine = samples[self.rank :: self.world]
         out: dict[int, list[float]] = {}
         with torch.no_grad(), self._autocast():
-            for batch in micro_batches(mine, self.config.tokens_per_micro_batch):
+            for batch in micro_batches(mine, self.micro_batches.budget):
                 logprobs, _ = completion_logprobs(
                     self.policy, batch, self.device, self.config.temperature, self.pad_id
                 )
@@ -516,19 +527,19 @@ class Trainer:
         trained = [trained_tokens(s) for s in samples]
         total_tokens = float(sum(trained))
         normaliser = self.loss.normaliser(samples)
-        batches = micro_batches(mine, self.config.tokens_per_micro_batch)
+        budget = self.micro_batches.budget
+        batches = micro_batches(mine, budget)
         (most_batches,) = _all_reduce([float(len(batches))], self.device, ("max",))
         if self.world > 1:
-            batches = equal_micro_batches(
-                mine, self.config.tokens_per_micro_batch, int(most_batches)
-            )
+            batches = equal_micro_batches(mine, budget, int(most_batches))
         sums = dict.fromkeys(("loss", "clipped", "ratio", "kl", "kl_tokens", "mismatch"), 0.0)
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             weight = 1.0
             if not batch:  # this rank's share ran out: the same passes, contributing nothing
                 batch, weight = mine[:1], 0.0
-            with self._autocast():
+            padded = len(batch) * max(s.tokens for s in batch)
+            with self._autocast(), self.micro_batches.measure(padded):
                 logprobs, mask = completion_logprobs(
                     self.policy, batch, self.device, self.config.temperature, self.pad_id
                 )
@@ -563,6 +574,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
+        self.micro_batches.step_done()
         loss, clipped, ratio, kl_sum, kl_tokens, mismatch = _all_reduce(
             [sums[k] for k in ("loss", "clipped", "ratio", "kl", "kl_tokens", "mismatch")],
             self.device,
@@ -577,6 +589,7 @@ class Trainer:
             samples=len(samples),
             compute_s=time.perf_counter() - started,
             mismatch_kl=mismatch / total_tokens if total_tokens else None,
+            micro_batch_tokens=budget,
         )
 
     # -- the Tinker API's steps: passes that add to the gradients, then an optimizer step ----
@@ -623,18 +636,21 @@ class Trainer:
         Returns this rank's loss sum."""
         order = chosen[self.rank :: self.world]
         mine = [datums[i] for i in order]
-        batches = micro_batches(mine, self.config.tokens_per_micro_batch)
+        budget = self.micro_batches.budget
+        batches = micro_batches(mine, budget)
         if self.world > 1:  # every rank runs as many passes (each gathers the shards)
             (most,) = _all_reduce([float(len(batches))], self.device, ("max",))
-            batches = equal_micro_batches(mine, self.config.tokens_per_micro_batch, int(most))
+            batches = equal_micro_batches(mine, budget, int(most))
         loss_sum = 0.0
         position = {id(d): i for i, d in zip(order, mine, strict=True)}
         for batch in batches:
             weight = 1.0
             if not batch:  # this rank's share ran out: the same passes, contributing nothing
                 batch, weight = mine[:1] or [datums[chosen[0]]], 0.0
-            self._recompute_activations(len(batch) * max(d.tokens for d in batch))
-            with torch.set_grad_enabled(backward), self._autocast():
+            padded = len(batch) * max(d.tokens for d in batch)
+            self._recompute_activations(padded)
+            measured = self.micro_batches.measure(padded) if backward else contextlib.nullcontext()
+            with torch.set_grad_enabled(backward), self._autocast(), measured:
                 lp, mask = datum_logprobs(self.policy, batch, self.device, self.pad_id, loss)
                 width = lp.shape[1]
                 inputs = {
@@ -677,6 +693,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), limit)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
+        self.micro_batches.step_done()
         self.steps += 1
         return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
 
