@@ -301,6 +301,7 @@ async def run_rlnode(node, org, model: Path, args, job: JobConfig | None = None)
                         "generation_s": d["generation_s"],
                         "mismatch_kl": d.get("mismatch_kl"),
                         "trained_samples": d["trained_samples"],
+                        "micro_batch_tokens": d.get("micro_batch_tokens"),
                     }
                 )
             elif event.type is JobEventType.WEIGHTS_PUBLISHED:
@@ -470,6 +471,11 @@ def interleaved(model: Path, args, workdir: Path) -> dict[str, list[dict]]:
             for system in systems(args):
                 if system == "rlnode":
                     result = asyncio.run(run_rlnode(node, org, model, args))
+                elif system == "rlnode-bf16":  # the same job, its passes in bf16 autocast
+                    job = rlnode_job(model, args)
+                    bf16 = job.training.model_copy(update={"compute_dtype": "bfloat16"})
+                    job = job.model_copy(update={"training": bf16})
+                    result = asyncio.run(run_rlnode(node, org, model, args, job))
                 else:
                     mode = "vllm" if system == "trl-vllm" else "transformers"
                     result = run_trl(model, args, workdir, mode)
@@ -617,13 +623,26 @@ def _summary(results: dict[str, list[dict]]) -> dict:
         )
         paired = zip(ours["seconds_to_target"], theirs["seconds_to_target"], strict=False)
         summary["ratio_per_round"] = [a / b for a, b in paired]
+    bf16 = summary.get("rlnode-bf16")
+    if ours and bf16 and ours["median_seconds_to_target"] and bf16["median_seconds_to_target"]:
+        summary["bf16_to_fp32_ratio_of_medians"] = (
+            bf16["median_seconds_to_target"] / ours["median_seconds_to_target"]
+        )
     return summary
 
 
 def _verdict(results: dict[str, list[dict]]) -> str:
     summary = _summary(results)
+    bf16 = ""
+    if "bf16_to_fp32_ratio_of_medians" in summary:
+        bf16 = (
+            f"rlnode with its passes in bf16 reaches it in "
+            f"**{summary['bf16_to_fp32_ratio_of_medians']:.2f}x** fp32's median time, final "
+            f"held-out accuracy {summary['rlnode-bf16']['median_accuracy_after']:.3f} against "
+            f"{summary['rlnode']['median_accuracy_after']:.3f}"
+        )
     if "ratio_of_medians" not in summary:
-        return "Not both systems ran"
+        return bf16 or "Not both systems ran"
     ours, theirs = summary["rlnode"], summary["trl"]
     rounds = ", ".join(f"{x:.2f}x" for x in summary["ratio_per_round"])
     unreached = [
@@ -637,6 +656,7 @@ def _verdict(results: dict[str, list[dict]]) -> str:
         f"(round by round {rounds}; goal: at most 0.4x); final held-out accuracy, median: "
         f"rlnode {ours['median_accuracy_after']:.3f}, TRL {theirs['median_accuracy_after']:.3f}"
         + ("; " + "; ".join(unreached) if unreached else "")
+        + (f". {bf16}" if bf16 else "")
     )
 
 

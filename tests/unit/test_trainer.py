@@ -72,6 +72,20 @@ def test_an_on_policy_step_has_ratio_one_and_moves_toward_the_advantage(model_di
     assert all(a > b for a, b in zip(after, before, strict=True))
 
 
+def test_bf16_passes_on_the_cpu_keep_fp32_masters_and_the_fp32_parity_probe(model_dir) -> None:
+    fp32, bf16 = (
+        Trainer(model_dir, _config()),
+        Trainer(model_dir, _config(compute_dtype="bfloat16")),
+    )
+    samples = _samples(fp32)
+    assert bf16.score(samples[0].prompt_ids) == fp32.score(samples[0].prompt_ids)
+    metrics = bf16.step(samples)
+    # on-policy up to bf16's rounding of the logprobs; the update still lands in fp32
+    assert metrics.ratio_mean == pytest.approx(1.0, abs=0.05) and metrics.grad_norm > 0
+    assert all(p.dtype == torch.float32 for p in bf16.model.parameters())
+    assert all(p.grad.dtype == torch.float32 for p in bf16.model.parameters())
+
+
 def test_micro_batching_does_not_change_the_update(model_dir) -> None:
     whole, split = (
         Trainer(model_dir, _config()),

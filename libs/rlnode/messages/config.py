@@ -301,6 +301,13 @@ class TrainingSpec(StrictModel):
         description="Completion tokens whose full-vocabulary logits exist at once when the "
         "trainer computes logprobs (recomputed in the backward pass): bounds that memory.",
     )
+    compute_dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="What the trainer's passes compute in (autocast); master weights, "
+        "gradients and optimizer state stay float32. 'auto': bfloat16 on GPUs, float32 on the "
+        "CPU (bfloat16 there is faster per step but not the default until a whole B9 run shows "
+        "it learns as well; bench/README.md).",
+    )
     activation_checkpointing: bool = Field(
         False,
         description="Recompute each layer's activations in the backward pass: less memory "

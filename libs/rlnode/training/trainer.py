@@ -65,6 +65,7 @@ class TrainerConfig:
     minibatches: int  # optimizer steps per training step (see minibatch_parts)
     seed: int
     logit_chunk_tokens: int = 64
+    compute_dtype: str = "auto"  # TrainingSpec.compute_dtype
     activation_checkpointing: bool = False
     # With activation_checkpointing: a pass of fewer (padded) tokens keeps its activations,
     # as recomputing them costs a quarter of its time (0: every pass recomputes).
@@ -92,6 +93,7 @@ class TrainerConfig:
             minibatches=training.minibatches,
             seed=training.seed,
             logit_chunk_tokens=training.logit_chunk_tokens,
+            compute_dtype=training.compute_dtype,
             activation_checkpointing=training.activation_checkpointing,
             lora=training.lora,
         )
@@ -412,7 +414,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(model_path)
         self.rank, self.world = _world()
         # fp32 master weights; bf16 compute on GPUs (autocast with one rank, FSDP's
-        # mixed precision with several).
+        # mixed precision with several), on the CPU where the job asks for it (autocast).
         model = load_causal_lm(model_path, dtype=torch.float32)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable(
@@ -425,7 +427,7 @@ class Trainer:
         self.model.train()
         self.policy: torch.nn.Module = CompletionLogprobs(self.model, config.logit_chunk_tokens)
         if self.world > 1:
-            self.policy = _shard(self.policy, device)
+            self.policy = _shard(self.policy, device, self._compute_dtype())
         self.micro_batches = MicroBatchSizer(
             device,
             fixed=config.tokens_per_micro_batch,
@@ -454,12 +456,16 @@ class Trainer:
         self.pad_id = pad if pad is not None else self.tokenizer.eos_token_id
 
     def _compute_dtype(self) -> torch.dtype:
-        return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        if self.config.compute_dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        return WEIGHT_DTYPES[self.config.compute_dtype]
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.device.startswith("cuda") and self.world == 1:
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        dtype = self._compute_dtype()
+        cuda = self.device.startswith("cuda")
+        if dtype == torch.float32 or (cuda and self.world > 1):  # FSDP casts on GPUs
+            return contextlib.nullcontext()
+        return torch.autocast("cuda" if cuda else "cpu", dtype=dtype)
 
     def step(self, samples: list[Sample]) -> StepMetrics:
         """One training step on `samples` (every rank passes the same list): `minibatches`
@@ -722,7 +728,10 @@ class Trainer:
         try:
             ids = torch.tensor([token_ids], device=self.device)
             positions = torch.arange(len(token_ids) - 1, device=self.device)
-            with self._autocast(), self._one_cpu_thread():
+            # The probe is bf16 where the engines are (GPUs); fp32 on the CPU, whatever
+            # the passes compute in, as the CPU engines do.
+            precision = self._autocast() if self.device.startswith("cuda") else None
+            with precision or contextlib.nullcontext(), self._one_cpu_thread():
                 out = self.policy(
                     ids, torch.ones_like(ids), torch.zeros_like(positions), positions, 1.0
                 )
@@ -894,14 +903,16 @@ class Trainer:
         return state
 
 
-def _shard(policy: torch.nn.Module, device: str) -> torch.nn.Module:
+def _shard(policy: torch.nn.Module, device: str, compute: torch.dtype) -> torch.nn.Module:
     """FSDP2 over the process group: each decoder layer a unit, the rest (embeddings, final
-    norm, output layer) in the root. bf16 compute and fp32 gradient reduction on GPUs."""
+    norm, output layer) in the root. On GPUs the layers are gathered in the compute dtype
+    (bf16 by default) and gradients reduced in fp32; on the CPU they stay fp32 (autocast
+    casts there)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     precision = (
-        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-        if device.startswith("cuda")
+        MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
+        if device.startswith("cuda") and compute != torch.float32
         else MixedPrecisionPolicy()
     )
     lm: Any = policy.lm
