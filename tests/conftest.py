@@ -20,6 +20,20 @@ from rlnode.testing import (
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """Each pytest-xdist worker (and everything it starts) picks free ports from a range of
+    its own, below the ephemeral range: two workers asking the kernel at once could both be
+    offered the same port before either bound it."""
+    import os
+
+    from rlnode.bus.children import FREE_PORTS_ENV
+    from rlnode.testing import worker_port_range
+
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
+    os.environ.setdefault(FREE_PORTS_ENV, worker_port_range(int(worker), int(workers)))
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:

@@ -179,15 +179,18 @@ def free_port_block() -> int:
     """A base port such that every service's port in a node's block is free on loopback now,
     the block below the kernel's ephemeral range: there an outgoing connection (a Kafka
     client's, a health check's) may take a service's port between this check and its bind,
-    and hold it for as long as it stays open (the service then never starts)."""
+    and hold it for as long as it stays open (the service then never starts). Within
+    `RLNODE_FREE_PORTS` when it is set (a test worker's own range)."""
     from rlnode.service.registry import SERVICES, port_offset
 
     offsets = [port_offset(spec) for spec in SERVICES]
     import random
 
-    ephemeral_from = _ephemeral_ports()[0]
+    from rlnode.bus.children import free_port_range
+
+    low, high = free_port_range() or (10_000, _ephemeral_ports()[0] - 1)
     for _ in range(200):
-        base = random.randrange(10_000, ephemeral_from - max(offsets) - 1)
+        base = random.randrange(low, high - max(offsets))
         try:
             for offset in offsets:
                 with socket.socket() as s:
@@ -196,6 +199,14 @@ def free_port_block() -> int:
             continue
         return base
     raise RuntimeError("no free block of ports found")
+
+
+def worker_port_range(worker: int, workers: int) -> str:
+    """Test worker `worker`'s share (of `workers`) of the ports below the kernel's ephemeral
+    range, as `RLNODE_FREE_PORTS` takes it: disjoint, so no two workers pick the same port."""
+    low, high = 10_000, _ephemeral_ports()[0] - 1
+    size = (high - low + 1) // workers
+    return f"{low + worker * size}-{low + (worker + 1) * size - 1}"
 
 
 def _ephemeral_ports() -> tuple[int, int]:

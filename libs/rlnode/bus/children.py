@@ -5,6 +5,7 @@ after a timeout (SIGKILL)."""
 from __future__ import annotations
 
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -19,18 +20,46 @@ from typing import BinaryIO
 _HANDED_OUT: deque[int] = deque(maxlen=4096)
 _HANDED_OUT_LOCK = threading.Lock()
 
+# Where free ports come from when set ("LOW-HIGH"), instead of the kernel's choice: processes
+# that pick ports side by side (a test run's workers) each get a range of their own, below the
+# kernel's ephemeral range, so no two of them, and no outgoing connection, take the same port
+# between its pick and its bind.
+FREE_PORTS_ENV = "RLNODE_FREE_PORTS"
+
+
+def free_port_range() -> tuple[int, int] | None:
+    """The range `RLNODE_FREE_PORTS` names (both ends included), None when it is unset."""
+    value = os.environ.get(FREE_PORTS_ENV, "").strip()
+    if not value:
+        return None
+    try:
+        low, high = (int(end) for end in value.split("-"))
+    except ValueError:
+        raise ValueError(
+            f"{FREE_PORTS_ENV}={value!r}: expected LOW-HIGH, e.g. 20000-25999"
+        ) from None
+    if not 1024 <= low < high <= 65535:
+        raise ValueError(f"{FREE_PORTS_ENV}={value!r}: expected 1024 <= LOW < HIGH <= 65535")
+    return low, high
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on `host` now, and none this process handed out lately."""
+    """A port free on `host` now, and none this process handed out lately (from
+    `RLNODE_FREE_PORTS` when it is set)."""
+    span = free_port_range()
     with _HANDED_OUT_LOCK:
-        for _ in range(100):
+        for _ in range(100 if span is None else 1000):
             with socket.socket() as s:
-                s.bind((host, 0))
+                try:
+                    s.bind((host, 0 if span is None else random.randint(*span)))
+                except OSError:  # taken (or in TIME_WAIT): another pick
+                    continue
                 port = s.getsockname()[1]
             if port not in _HANDED_OUT:
                 _HANDED_OUT.append(port)
                 return port
-    raise OSError(f"no free port on {host} that this process has not handed out lately")
+    where = f" in {FREE_PORTS_ENV}={span[0]}-{span[1]}" if span else ""
+    raise OSError(f"no free port on {host}{where} that this process has not handed out lately")
 
 
 def open_log(path: Path) -> BinaryIO:
