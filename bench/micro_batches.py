@@ -98,6 +98,7 @@ def main() -> None:
             print(f"measured {budget}: {seconds:.1f} s -> next {sizer.budget}", flush=True)
         settled = [_step(trainer, samples)[0] for _ in range(args.rounds)]
     tokens = sum(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
+    padded = len(samples) * max(len(s.prompt_ids) + len(s.completion_ids) for s in samples)
     medians = {b: statistics.median(s for s, _ in runs) for b, runs in fixed.items()}
     peaks = {b: max(p for _, p in runs) for b, runs in fixed.items()}
     fastest = min(medians, key=lambda b: medians[b])
@@ -111,7 +112,7 @@ def main() -> None:
         "|---|---|---|---|",
         *(
             f"| {b} | {medians[b]:.1f} | {peaks[b] / 2**30:.2f} | "
-            f"{min(b, tokens * 2) * sizer.bytes_per_token / 2**30:.2f} |"
+            f"{min(b, padded) * sizer.bytes_per_token / 2**30:.2f} |"
             for b in budgets
         ),
         "",
