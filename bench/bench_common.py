@@ -51,6 +51,19 @@ def machine() -> dict[str, Any]:
     }
 
 
+def own_status_bytes(field: str) -> int:
+    """A byte figure of this process's /proc/self/status (VmRSS, VmHWM)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def reset_own_peak() -> None:
+    """This process's VmHWM back to its current RSS."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
 def write_results(name: str, args, title: str, table: list[str], **result: Any) -> Path:
     """bench/results/NAME.json (the machine, the configuration `args` and `result`) and
     NAME.md (the title, the command that repeats the run, the machine, `table`); prints

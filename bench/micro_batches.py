@@ -23,7 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_common import write_results
+from bench_common import own_status_bytes, reset_own_peak, write_results
 
 from rlnode.engine import render_chat
 from rlnode.messages import TrainingSpec
@@ -32,13 +32,6 @@ from rlnode.models.gguf import import_gguf
 from rlnode.training.grpo import Sample
 from rlnode.training.micro_batch_sizing import MicroBatchSizer
 from rlnode.training.trainer import Trainer, TrainerConfig
-
-
-def _status_bytes(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
 
 
 def _samples(trainer: Trainer, rows: int, longest: int) -> list[Sample]:
@@ -57,13 +50,13 @@ def _samples(trainer: Trainer, rows: int, longest: int) -> list[Sample]:
 
 def _step(trainer: Trainer, samples: list[Sample]) -> tuple[float, int, int]:
     """Seconds, peak RSS growth over the step's start, and the budget it ran at."""
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM back to the current RSS
-    before = _status_bytes("VmRSS")
+    reset_own_peak()
+    before = own_status_bytes("VmRSS")
     started = time.perf_counter()
     metrics = trainer.step(samples)
     return (
         time.perf_counter() - started,
-        _status_bytes("VmHWM") - before,
+        own_status_bytes("VmHWM") - before,
         metrics.micro_batch_tokens,
     )
 

@@ -30,20 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench_common import write_results
+from bench_common import own_status_bytes, reset_own_peak, write_results
 
 BASELINE_COMMIT = "abec226"  # the last commit with the DDP trainer
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(field)
-
-
-def _reset_peak() -> None:
-    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
 
 
 def _baseline_trainer_module(root: Path) -> Any:
@@ -125,12 +114,12 @@ def rank_main(rank: int, world: int, port: int, which: str, args: dict, out: str
         samples = _samples(
             len(trainer.tokenizer), args["rows"] * world, args["prompt"], args["completion"], 0
         )
-        before = _status("VmRSS")
-        _reset_peak()
+        before = own_status_bytes("VmRSS")
+        reset_own_peak()
         started = time.perf_counter()
         trainer.step(samples)
         seconds = time.perf_counter() - started
-        peak = _status("VmHWM")
+        peak = own_status_bytes("VmHWM")
         parameters = list(trainer.model.parameters())
         total = sum(p.numel() for p in parameters)  # a DTensor's numel is the whole tensor's
         held = _held_bytes(parameters, trainer.optimizer)
@@ -181,10 +170,10 @@ def head_main(mode: str, args: dict, out: str) -> None:
 
     # Once on a sliver first: the first backward allocates autograd's own state.
     run(hidden[:1].detach().requires_grad_(), weight[:64], targets[:1] % 64)
-    before = _status("VmRSS")
-    _reset_peak()
+    before = own_status_bytes("VmRSS")
+    reset_own_peak()
     run(hidden, weight, targets)
-    peak = _status("VmHWM")
+    peak = own_status_bytes("VmHWM")
     Path(out).write_text(json.dumps({"mode": mode, "peak_over_inputs_gb": (peak - before) / 1e9}))
 
 

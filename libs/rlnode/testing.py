@@ -188,7 +188,7 @@ def free_port_block() -> int:
 
     from rlnode.bus.children import free_port_range
 
-    low, high = free_port_range() or (10_000, _ephemeral_ports()[0] - 1)
+    low, high = free_port_range() or _below_ephemeral()
     for _ in range(200):
         base = random.randrange(low, high - max(offsets))
         try:
@@ -204,9 +204,14 @@ def free_port_block() -> int:
 def worker_port_range(worker: int, workers: int) -> str:
     """Test worker `worker`'s share (of `workers`) of the ports below the kernel's ephemeral
     range, as `RLNODE_FREE_PORTS` takes it: disjoint, so no two workers pick the same port."""
-    low, high = 10_000, _ephemeral_ports()[0] - 1
+    low, high = _below_ephemeral()
     size = (high - low + 1) // workers
     return f"{low + worker * size}-{low + (worker + 1) * size - 1}"
+
+
+def _below_ephemeral() -> tuple[int, int]:
+    """The ports tests pick from (both ends included): from 10,000 up to the ephemeral range."""
+    return 10_000, _ephemeral_ports()[0] - 1
 
 
 def _ephemeral_ports() -> tuple[int, int]:

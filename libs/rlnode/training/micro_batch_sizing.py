@@ -45,10 +45,6 @@ class _Trial:
     seconds: float = 0.0
     largest_pass: int = 0
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
-
 
 @dataclass
 class MicroBatchSizer:
