@@ -214,3 +214,43 @@ def check_a_second_shell_finds_the_node(node_env: dict[str, str], data_dir: Path
     started = run_rlnode(shell, "job", "start", str(job_config_path("copy_task")), "--watch")
     assert started.returncode == 1, started.stdout + started.stderr
     assert "rejected" in started.stdout + started.stderr, started.stdout + started.stderr
+
+
+NODE_IN_A_SCRIPT = """
+import sys, time
+from pathlib import Path
+from rlnode.node.local import LocalNode, NodeOptions
+with LocalNode(NodeOptions(data_dir=Path(sys.argv[1]), services=("credential-vault",))):
+    print("up", flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.timeout(180)
+def test_a_script_killed_with_sigterm_stops_its_nodes_processes(tmp_path: Path) -> None:
+    """A benchmark or script that runs `with LocalNode(...)` and is stopped with SIGTERM (or
+    its terminal closes) takes the node's broker, store and services with it: they run in
+    sessions of their own and would otherwise live on, holding ports and memory."""
+    marker = str(tmp_path / "node")
+    script = subprocess.Popen(
+        [sys.executable, "-c", NODE_IN_A_SCRIPT, marker],
+        env=os.environ | {"RLNODE_TEST_NODE": marker},  # what its processes inherit
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert script.stdout is not None
+        line = script.stdout.readline()
+        assert line == "up\n", line + script.stdout.read()
+        started = [pid for pid in processes_with(marker) if pid != script.pid]
+        assert len(started) >= 3, started  # the broker, its object store, the vault
+        script.send_signal(signal.SIGTERM)
+        code = script.wait(60)
+        assert [pid for pid in started if _alive(pid)] == []  # none outlived it
+        assert code == 128 + signal.SIGTERM  # it unwound (SystemExit), not killed outright
+    finally:
+        script.kill()
+        for pid in processes_with(marker):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

@@ -41,7 +41,7 @@ from rlnode.node.plan import (
     make_plan,
     serving_settings,
 )
-from rlnode.node.processes import ServiceProcess, ensure_local_credentials
+from rlnode.node.processes import ServiceProcess, TerminationUnwinds, ensure_local_credentials
 from rlnode.node.roles import JOINING_SERVICES, JoinInfo, RoleError, join_path
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.jobs import JobsClient
@@ -178,11 +178,15 @@ class LocalNode:
         self._due: dict[str, float] = {}  # key -> when a dead service is started again
         self._up_since: dict[str, float] = {}
         self._streak: dict[str, int] = {}  # restarts without a minute up in between
+        self._holds_signals = False  # TerminationUnwinds, from start() to stop()
 
     # -- lifecycle ------------------------------------------------------------------------
 
     def start(self) -> LocalNode:
         private_dir(self.data_dir)
+        if not self._holds_signals:
+            TerminationUnwinds.hold()
+            self._holds_signals = True
         try:
             self._start()
         except BaseException:
@@ -539,6 +543,9 @@ class LocalNode:
             self.object_store.stop()
             self.object_store = None
         self.state_path.unlink(missing_ok=True)
+        if self._holds_signals:
+            TerminationUnwinds.release()
+            self._holds_signals = False
         return codes
 
     def __enter__(self) -> LocalNode:

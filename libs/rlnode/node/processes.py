@@ -10,6 +10,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +20,46 @@ import httpx
 
 from rlnode.service.files import private_dir, private_file
 from rlnode.service.registry import ServiceSpec
+
+# Signals whose default would end this process on the spot, without `finally:` blocks.
+TERMINATING = (signal.SIGTERM, signal.SIGHUP)
+
+
+class TerminationUnwinds:
+    """While held (by each LocalNode that is up): a SIGTERM or SIGHUP that this process left
+    at its default raises SystemExit in the main thread instead, so that `with LocalNode()`
+    and `finally:` stop the services. Each runs in a session of its own (so that it takes
+    what it started with it) and would otherwise outlive a benchmark or script killed with
+    a signal, holding ports, memory and GPUs. A process that handles the signals itself
+    (`rlnode up`) keeps its handlers; off the main thread nothing changes."""
+
+    _holders = 0
+    _installed: dict[signal.Signals, Any] = {}
+
+    @classmethod
+    def hold(cls) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        cls._holders += 1
+        if cls._holders > 1:
+            return
+        for sig in TERMINATING:
+            if signal.getsignal(sig) is signal.SIG_DFL:
+                cls._installed[sig] = signal.signal(sig, cls._unwind)
+
+    @classmethod
+    def release(cls) -> None:
+        if threading.current_thread() is not threading.main_thread() or cls._holders == 0:
+            return
+        cls._holders -= 1
+        if cls._holders == 0:
+            for sig, previous in cls._installed.items():
+                signal.signal(sig, previous)
+            cls._installed.clear()
+
+    @staticmethod
+    def _unwind(signum: int, _frame: Any) -> None:
+        raise SystemExit(128 + signum)  # the exit status a shell shows for the signal
 
 
 @dataclass(frozen=True)
