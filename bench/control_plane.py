@@ -26,13 +26,14 @@ one without, and writes bench/results/control_plane_tls.{json,md}.
 `--history 100000` measures a node as it ages (#36): the same job on a new node, then again
 once at least that many records of history were added to its topics, with the time a
 job's event listing takes at both ages; a node whose durable store applies the topics'
-retention and one that keeps everything, both up, in turn. The history is copies of what
-the first job left on rollout-work, trajectories and job-events, produced as stored (key,
-value, headers: the services' signatures hold), one record per produce as the services
-send them; the node's consumers read it as they would any record of a finished job.
-Writes bench/results/control_plane_aged.{json,md}.
+retention and one that keeps everything (`--retention on,off`), one after the other, each
+alone on the machine. The history is copies of what the first job left on rollout-work,
+trajectories and job-events, produced as stored (key, value, headers: the services'
+signatures hold), one record per produce as the services send them, by a few producers at
+once (`--history-senders`); the node's consumers read it as they would any record of a
+finished job. Writes bench/results/control_plane_aged.{json,md}.
 
-    python bench/control_plane.py --gateways 1 --history 100000
+    python bench/control_plane.py --gateways 1 --history 100000 [--retention on]
 """
 
 from __future__ import annotations
@@ -63,12 +64,18 @@ NAMES = {
 }
 
 
+MACHINE = "the whole machine"
+
+
 def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
-    """User + system CPU seconds each process has used so far (its threads included)."""
+    """User + system CPU seconds each process has used so far (its threads included), and
+    the whole machine's busy seconds under MACHINE (what else ran beside the node)."""
     used = {}
     for name, pid in pids.items():
         times = psutil.Process(pid).cpu_times()
         used[name] = times.user + times.system
+    machine = psutil.cpu_times()
+    used[MACHINE] = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
     return used
 
 
@@ -90,13 +97,17 @@ async def run(node, org, model: Path, args, pids: dict[str, int]) -> dict:
     (first, started, before), (last, ended, after) = marks
     rollouts = (last - first) * per_step
     cpu_ms = {name: 1000 * (after[name] - before[name]) / rollouts for name in pids}
+    total = sum(cpu_ms.values())
+    machine = 1000 * (after[MACHINE] - before[MACHINE]) / rollouts
     return {
         "job_id": job_id,
         "rollouts": rollouts,
         "seconds": ended - started,
         "rollouts_per_s": rollouts / (ended - started),
         "cpu_ms_per_rollout": cpu_ms,
-        "cpu_ms_per_rollout_total": sum(cpu_ms.values()),
+        "cpu_ms_per_rollout_total": total,
+        # Everything else busy meanwhile (this benchmark's client, another node, the rest).
+        "other_cpu_ms_per_rollout": max(0.0, machine - total),
     }
 
 
@@ -111,9 +122,12 @@ async def listing(node, org, job_id: str) -> dict:
         return {"listing_s": time.perf_counter() - started, "listed_events": len(events)}
 
 
-async def add_history(node, count: int) -> dict:
+async def add_history(node, count: int, senders: int) -> dict:
     """At least `count` records more on HISTORY_TOPICS: copies of what they hold now, each
-    sent on its own (one batch per record, as the services publish), a sender per partition."""
+    sent on its own (one batch per record, as the services publish), `senders` producers
+    each with one record in flight per partition (a producer waits for each record's
+    acknowledgement before its next: the store gets one batch per record, as from the
+    services, only more of them at once)."""
     settings = node.kafka_settings()
     held: dict[tuple[str, int], list] = {}
     for topic in HISTORY_TOPICS:
@@ -123,25 +137,35 @@ async def add_history(node, count: int) -> dict:
                     held.setdefault((topic, r.partition), []).append(r)
     total = sum(len(records) for records in held.values())
     rounds = -(-count // total)
-    producer = clients.producer(settings, "bench")
-    await producer.start()
+    producers = [clients.producer(settings, "bench") for _ in range(senders)]
+    for producer in producers:
+        await producer.start()
     started = time.perf_counter()
 
-    async def copy(topic: str, partition: int, records: list) -> int:
-        for _ in range(rounds):
+    async def copy(producer, topic: str, partition: int, records: list, share: int) -> int:
+        for _ in range(share):
             for r in records:
                 await producer.send_and_wait(
                     topic, r.value, key=r.key, partition=partition, headers=list(r.headers)
                 )
-        return rounds * len(records)
+        return share * len(records)
 
+    shares = [rounds // senders + (i < rounds % senders) for i in range(senders)]
     try:
-        sent = await asyncio.gather(*(copy(t, p, rs) for (t, p), rs in held.items()))
+        sent = await asyncio.gather(
+            *(
+                copy(producer, t, p, rs, share)
+                for (t, p), rs in held.items()
+                for producer, share in zip(producers, shares, strict=True)
+            )
+        )
     finally:
-        await producer.stop()
+        for producer in producers:
+            await producer.stop()
     return {
         "history_records": sum(sent),
         "history_s": time.perf_counter() - started,
+        "history_senders": senders,
         "history_by_topic": {
             t: sum(len(rs) for (tt, _), rs in held.items() if tt == t) * rounds
             for t in HISTORY_TOPICS
@@ -156,44 +180,35 @@ def stored_batches(node) -> int:
 
 
 def aged(args, model: Path, tmp: Path, generator: dict) -> None:
-    """--history: the job on a new node and again after the history, with retention and
-    without, the nodes up together and their rounds in turn."""
+    """--history: per retention setting (`--retention`), a node of its own, alone on the
+    machine: the job on it new, the history, a pause, the job again. One node at a time: an
+    aged node left up beside another costs it CPU (its consumers' idle fetches list every
+    stored batch), which is not the other's ageing."""
     runs: list[dict] = []
-    with contextlib.ExitStack() as nodes:
-        running = {
-            retention: nodes.enter_context(
-                copy_task_node(
-                    tmp / f"node-aged-{retention}",
-                    generator,
-                    1,
-                    "durable",
-                    broker_retention=retention,
-                )
-            )
-            for retention in (True, False)
-        }
-        pids = {r: process_pids(*running[r]) for r in running}
-        first: dict[bool, str] = {}
-        for age in ("new", "aged"):
-            if age == "aged":
-                for retention, (node, _org) in running.items():
-                    added = asyncio.run(add_history(node, args.history))
+    for retention in args.retention:
+        with copy_task_node(
+            tmp / f"node-aged-{retention}", generator, 1, "durable", broker_retention=retention
+        ) as (node, org):
+            pids = process_pids(node, org)
+            first = ""
+            for age in ("new", "aged"):
+                if age == "aged":
+                    added = asyncio.run(add_history(node, args.history, args.history_senders))
                     print(
                         f"retention {retention}: {added['history_records']} records added "
                         f"in {added['history_s']:.0f} s",
                         flush=True,
                     )
                     runs.append({"retention": retention, "age": "history", **added})
-                # The store's sweep (every 30 s) deletes once-read records 5 minutes old; a
-                # job's listing reads from 5 minutes before the job was made (clocks), so
-                # the history must be older than that to be out of its way, as on a node
-                # whose 1,000 jobs ran over days.
-                time.sleep(args.history_settle_s)
-            for retention, (node, org) in running.items():
-                result = asyncio.run(run(node, org, model, args, pids[retention]))
-                job = first.setdefault(retention, result["job_id"])
+                    # The store's sweep (every 30 s) deletes once-read records 5 minutes
+                    # old; a job's listing reads from 5 minutes before the job was made
+                    # (clocks), so the history must be older than that to be out of its
+                    # way, as on a node whose 1,000 jobs ran over days.
+                    time.sleep(args.history_settle_s)
+                result = asyncio.run(run(node, org, model, args, pids))
+                first = first or result["job_id"]
                 result |= asyncio.run(listing(node, org, result["job_id"]))
-                first_listing = asyncio.run(listing(node, org, job))
+                first_listing = asyncio.run(listing(node, org, first))
                 result |= {
                     "retention": retention,
                     "age": age,
@@ -203,13 +218,14 @@ def aged(args, model: Path, tmp: Path, generator: dict) -> None:
                 runs.append(result)
                 print(
                     f"retention {retention}, {age}: {result['rollouts_per_s']:.0f} rollouts/s, "
-                    f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout, listing "
+                    f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout (others "
+                    f"{result['other_cpu_ms_per_rollout']:.2f}), listing "
                     f"{result['listing_s']:.2f} s ({result['listed_events']} events), "
                     f"{result['stored_batches']} batches stored",
                     flush=True,
                 )
     rows = []
-    for retention in (True, False):
+    for retention in args.retention:
         new, old = (
             next(r for r in runs if r["retention"] is retention and r["age"] == age)
             for age in ("new", "aged")
@@ -221,20 +237,22 @@ def aged(args, model: Path, tmp: Path, generator: dict) -> None:
         ]
         rows.append(
             f"| {'on' if retention else 'off (keeps everything)'} "
-            f"| {history['history_records']} "
+            f"| {history['history_records']} in {history['history_s'] / 60:.0f} min "
             f"| {new['rollouts_per_s']:.0f} -> {old['rollouts_per_s']:.0f} "
             f"(**{old['rollouts_per_s'] / new['rollouts_per_s']:.2f}x**) "
             f"| {new['cpu_ms_per_rollout_total']:.2f} -> {old['cpu_ms_per_rollout_total']:.2f} "
             f"| {broker_ms[0]:.2f} -> {broker_ms[1]:.2f} "
+            f"| {new['other_cpu_ms_per_rollout']:.2f} -> {old['other_cpu_ms_per_rollout']:.2f} "
             f"| {new['listing_s']:.2f} -> {old['listing_s']:.2f} "
             f"| {new['first_job_listing_s']:.2f} -> {old['first_job_listing_s']:.2f} "
             f"| {new['stored_batches']} -> {old['stored_batches']} |"
         )
     table = [
         "| retention | records of history added | rollouts/s, new -> aged | CPU ms per rollout "
-        "| of which the broker's and its store's | listing the job's events (s) "
-        "| listing the first job's events (s) | batches stored |",
-        "|---|---|---|---|---|---|---|---|",
+        "| of which the broker's and its store's | CPU ms per rollout of the rest of the "
+        "machine | listing the job's events (s) | listing the first job's events (s) "
+        "| batches stored |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         f"The same job ({args.steps} steps of {args.prompts} x {args.group}, instant engine, "
@@ -242,8 +260,10 @@ def aged(args, model: Path, tmp: Path, generator: dict) -> None:
         "job's records on rollout-work, trajectories and job-events, one per produce), "
         f"{args.history_settle_s:.0f} s later; each node's own job listed right after it ends "
         "(ids carry their time: read from 5 minutes before it), and its first job listed "
-        "then too (read from before the history). Both nodes up together, on durable "
-        "storage, their runs in turn.",
+        f"then too (read from before the history). The history sent by "
+        f"{args.history_senders} producers, each one record in flight per partition. One node "
+        "at a time on the machine, on durable storage; the rest of the machine's CPU is "
+        "this benchmark's own client and whatever else ran.",
     ]
     write_results(
         "control_plane_aged",
@@ -301,6 +321,18 @@ def main() -> None:
         default=0,
         help="records of history to add between two runs of the job, on a node with "
         "retention and one without (writes control_plane_aged)",
+    )
+    parser.add_argument(
+        "--history-senders",
+        type=int,
+        default=4,
+        help="producers sending the history, each one record in flight per partition",
+    )
+    parser.add_argument(
+        "--retention",
+        type=lambda v: [{"on": True, "off": False}[x] for x in v.split(",")],
+        default=[True, False],
+        help="with --history: on, off or both (on,off, the default), a node each in turn",
     )
     parser.add_argument(
         "--history-settle-s",
