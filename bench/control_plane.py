@@ -29,9 +29,10 @@ job's event listing takes at both ages; a node whose durable store applies the t
 retention and one that keeps everything (`--retention on,off`), one after the other, each
 alone on the machine. The history is copies of what the first job left on rollout-work,
 trajectories and job-events, produced as stored (key, value, headers: the services'
-signatures hold), one record per produce as the services send them, by a few producers at
-once (`--history-senders`); the node's consumers read it as they would any record of a
-finished job. Writes bench/results/control_plane_aged.{json,md}.
+signatures hold) in the batches the services' producers made of them (`--history-single`:
+one record a batch), by a few producers at once (`--history-senders`); the node's consumers
+read it as they would any record of a finished job. Writes
+bench/results/control_plane_aged.{json,md}.
 
     python bench/control_plane.py --gateways 1 --history 100000 [--retention on]
 """
@@ -40,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import bisect
 import contextlib
 import json
 import statistics
@@ -122,12 +124,11 @@ async def listing(node, org, job_id: str) -> dict:
         return {"listing_s": time.perf_counter() - started, "listed_events": len(events)}
 
 
-async def add_history(node, count: int, senders: int) -> dict:
-    """At least `count` records more on HISTORY_TOPICS: copies of what they hold now, each
-    sent on its own (one batch per record, as the services publish), `senders` producers
-    each with one record in flight per partition (a producer waits for each record's
-    acknowledgement before its next: the store gets one batch per record, as from the
-    services, only more of them at once)."""
+async def add_history(node, count: int, senders: int, single: bool) -> dict:
+    """At least `count` records more on HISTORY_TOPICS: copies of what they hold now, sent
+    in the batches the services' producers made of them (read from the store's objects), or
+    with `single` one record a batch; `senders` producers, each with one batch in flight per
+    partition."""
     settings = node.kafka_settings()
     held: dict[tuple[str, int], list] = {}
     for topic in HISTORY_TOPICS:
@@ -135,6 +136,12 @@ async def add_history(node, count: int, senders: int) -> dict:
             while not reader.caught_up.is_set():
                 for r in await reader.fetch():
                     held.setdefault((topic, r.partition), []).append(r)
+    batches = {
+        (topic, partition): [[r] for r in records]
+        if single
+        else as_stored(records, batch_offsets(node, topic, partition))
+        for (topic, partition), records in held.items()
+    }
     total = sum(len(records) for records in held.values())
     rounds = -(-count // total)
     producers = [clients.producer(settings, "bench") for _ in range(senders)]
@@ -142,20 +149,36 @@ async def add_history(node, count: int, senders: int) -> dict:
         await producer.start()
     started = time.perf_counter()
 
-    async def copy(producer, topic: str, partition: int, records: list, share: int) -> int:
+    async def copy(producer, topic: str, partition: int, groups: list, share: int) -> int:
+        sent = 0
         for _ in range(share):
-            for r in records:
-                await producer.send_and_wait(
-                    topic, r.value, key=r.key, partition=partition, headers=list(r.headers)
-                )
-        return share * len(records)
+            for group in groups:
+                batch = producer.create_batch()
+                for r in group:
+                    if (
+                        batch.append(
+                            timestamp=None, key=r.key, value=r.value, headers=list(r.headers)
+                        )
+                        is None
+                    ):  # full: what is left goes in the next
+                        batch.close()
+                        await (await producer.send_batch(batch, topic, partition=partition))
+                        batch = producer.create_batch()
+                        batch.append(
+                            timestamp=None, key=r.key, value=r.value, headers=list(r.headers)
+                        )
+                    sent += 1
+                batch.close()
+                await (await producer.send_batch(batch, topic, partition=partition))
+        return sent
 
     shares = [rounds // senders + (i < rounds % senders) for i in range(senders)]
+    batches_before = stored_batches(node)
     try:
         sent = await asyncio.gather(
             *(
-                copy(producer, t, p, rs, share)
-                for (t, p), rs in held.items()
+                copy(producer, t, p, groups, share)
+                for (t, p), groups in batches.items()
                 for producer, share in zip(producers, shares, strict=True)
             )
         )
@@ -165,12 +188,41 @@ async def add_history(node, count: int, senders: int) -> dict:
     return {
         "history_records": sum(sent),
         "history_s": time.perf_counter() - started,
+        "history_batches": stored_batches(node) - batches_before,
         "history_senders": senders,
         "history_by_topic": {
             t: sum(len(rs) for (tt, _), rs in held.items() if tt == t) * rounds
             for t in HISTORY_TOPICS
         },
     }
+
+
+def batch_offsets(node, topic: str, partition: int) -> list[int]:
+    """The first offsets of the record batches the store holds for a partition (Tansu keeps
+    each batch as records/<offset>.batch)."""
+    records = (
+        node.data_dir
+        / "broker"
+        / "buckets"
+        / "tansu"
+        / "dclusters"
+        / "drlnode"
+        / "dtopics"
+        / f"d{topic}"
+        / "dpartitions"
+        / f"d{partition:010d}"
+        / "drecords"
+    )
+    return sorted(int(path.stem.removeprefix("o")) for path in records.glob("o*.batch"))
+
+
+def as_stored(records: list, offsets: list[int]) -> list[list]:
+    """`records` grouped by the stored batch each came in (`offsets`: the batches' first)."""
+    groups: dict[int, list] = {}
+    for r in records:
+        first = offsets[bisect.bisect_right(offsets, r.offset) - 1] if offsets else r.offset
+        groups.setdefault(first, []).append(r)
+    return list(groups.values())
 
 
 def stored_batches(node) -> int:
@@ -193,7 +245,9 @@ def aged(args, model: Path, tmp: Path, generator: dict) -> None:
             first = ""
             for age in ("new", "aged"):
                 if age == "aged":
-                    added = asyncio.run(add_history(node, args.history, args.history_senders))
+                    added = asyncio.run(
+                        add_history(node, args.history, args.history_senders, args.history_single)
+                    )
                     print(
                         f"retention {retention}: {added['history_records']} records added "
                         f"in {added['history_s']:.0f} s",
@@ -237,7 +291,8 @@ def aged(args, model: Path, tmp: Path, generator: dict) -> None:
         ]
         rows.append(
             f"| {'on' if retention else 'off (keeps everything)'} "
-            f"| {history['history_records']} in {history['history_s'] / 60:.0f} min "
+            f"| {history['history_records']} ({history['history_batches']} batches) in "
+            f"{history['history_s'] / 60:.0f} min "
             f"| {new['rollouts_per_s']:.0f} -> {old['rollouts_per_s']:.0f} "
             f"(**{old['rollouts_per_s'] / new['rollouts_per_s']:.2f}x**) "
             f"| {new['cpu_ms_per_rollout_total']:.2f} -> {old['cpu_ms_per_rollout_total']:.2f} "
@@ -257,7 +312,8 @@ def aged(args, model: Path, tmp: Path, generator: dict) -> None:
         "",
         f"The same job ({args.steps} steps of {args.prompts} x {args.group}, instant engine, "
         "copy-task Task App) on a new node and again after the history (copies of the first "
-        "job's records on rollout-work, trajectories and job-events, one per produce), "
+        "job's records on rollout-work, trajectories and job-events, in the batches they "
+        f"were stored in{' (one record a batch)' if args.history_single else ''}), "
         f"{args.history_settle_s:.0f} s later; each node's own job listed right after it ends "
         "(ids carry their time: read from 5 minutes before it), and its first job listed "
         f"then too (read from before the history). The history sent by "
@@ -327,6 +383,12 @@ def main() -> None:
         type=int,
         default=4,
         help="producers sending the history, each one record in flight per partition",
+    )
+    parser.add_argument(
+        "--history-single",
+        action="store_true",
+        help="send the history one record a batch (the default: in the batches the "
+        "services' producers made of the first job's records, as stored)",
     )
     parser.add_argument(
         "--retention",
