@@ -149,28 +149,24 @@ async def add_history(node, count: int, senders: int, single: bool) -> dict:
         await producer.start()
     started = time.perf_counter()
 
-    async def copy(producer, topic: str, partition: int, groups: list, share: int) -> int:
-        sent = 0
-        for _ in range(share):
-            for group in groups:
-                batch = producer.create_batch()
-                for r in group:
-                    if (
-                        batch.append(
-                            timestamp=None, key=r.key, value=r.value, headers=list(r.headers)
-                        )
-                        is None
-                    ):  # full: what is left goes in the next
-                        batch.close()
-                        await (await producer.send_batch(batch, topic, partition=partition))
-                        batch = producer.create_batch()
-                        batch.append(
-                            timestamp=None, key=r.key, value=r.value, headers=list(r.headers)
-                        )
-                    sent += 1
+    async def send_batch(producer, topic: str, partition: int, group: list) -> None:
+        """`group` as one batch (more where it outgrows the producer's batch size)."""
+        batch = producer.create_batch()
+        for r in group:
+            fields = {"timestamp": None, "key": r.key, "value": r.value, "headers": list(r.headers)}
+            if batch.append(**fields) is None:  # full: the rest goes in the next
                 batch.close()
                 await (await producer.send_batch(batch, topic, partition=partition))
-        return sent
+                batch = producer.create_batch()
+                batch.append(**fields)
+        batch.close()
+        await (await producer.send_batch(batch, topic, partition=partition))
+
+    async def copy(producer, topic: str, partition: int, groups: list, share: int) -> int:
+        for _ in range(share):
+            for group in groups:
+                await send_batch(producer, topic, partition, group)
+        return share * sum(len(group) for group in groups)
 
     shares = [rounds // senders + (i < rounds % senders) for i in range(senders)]
     batches_before = stored_batches(node)
@@ -200,19 +196,8 @@ async def add_history(node, count: int, senders: int, single: bool) -> dict:
 def batch_offsets(node, topic: str, partition: int) -> list[int]:
     """The first offsets of the record batches the store holds for a partition (Tansu keeps
     each batch as records/<offset>.batch)."""
-    records = (
-        node.data_dir
-        / "broker"
-        / "buckets"
-        / "tansu"
-        / "dclusters"
-        / "drlnode"
-        / "dtopics"
-        / f"d{topic}"
-        / "dpartitions"
-        / f"d{partition:010d}"
-        / "drecords"
-    )
+    cluster = node.data_dir / "broker" / "buckets" / "tansu" / "dclusters" / "drlnode"
+    records = cluster / "dtopics" / f"d{topic}" / "dpartitions" / f"d{partition:010d}" / "drecords"
     return sorted(int(path.stem.removeprefix("o")) for path in records.glob("o*.batch"))
 
 
