@@ -5,9 +5,11 @@ were given the same one."""
 from __future__ import annotations
 
 import socket
+from collections import deque
 
 import pytest
 
+from rlnode.bus import children
 from rlnode.bus.children import free_port
 
 
@@ -25,17 +27,34 @@ def test_a_handed_out_port_is_free_to_bind() -> None:
 
 def test_ports_come_from_the_range_the_environment_names(monkeypatch) -> None:
     """What keeps two test workers apart: each draws from a range of its own."""
+    # This test's picks alone: the worker's own range holds ports it handed out before.
+    monkeypatch.setattr(children, "_HANDED_OUT", deque(maxlen=children._HANDED_OUT.maxlen))
     monkeypatch.setenv("RLNODE_FREE_PORTS", "23000-23499")
     ports = [free_port() for _ in range(300)]
     assert all(23000 <= p <= 23499 for p in ports) and len(set(ports)) == len(ports)
-    with socket.socket() as held, socket.socket() as other:
-        held.bind(("127.0.0.1", 23500))  # something holds one of the two ports
-        other.bind(("127.0.0.1", 23501))
-        other.close()
-        monkeypatch.setenv("RLNODE_FREE_PORTS", "23500-23501")
-        assert free_port() == 23501
-        with pytest.raises(OSError, match="RLNODE_FREE_PORTS=23500-23501"):
+    held, low = _two_free_ports_in_a_row()  # something holds the first of the two
+    with held:
+        monkeypatch.setenv("RLNODE_FREE_PORTS", f"{low}-{low + 1}")
+        assert free_port() == low + 1
+        with pytest.raises(OSError, match=f"RLNODE_FREE_PORTS={low}-{low + 1}"):
             free_port()  # the other one is handed out already
+
+
+def _two_free_ports_in_a_row() -> tuple[socket.socket, int]:
+    """A socket bound to a port the kernel picked whose next port is free too (not held:
+    a test worker's services hold ports of its range, so the two are found, not fixed)."""
+    for _ in range(100):
+        held = socket.socket()
+        held.bind(("127.0.0.1", 0))
+        low = held.getsockname()[1]
+        with socket.socket() as other:
+            try:
+                other.bind(("127.0.0.1", low + 1))
+            except OSError:
+                held.close()
+                continue
+        return held, low
+    raise AssertionError("no two free ports in a row on loopback")
 
 
 def test_a_malformed_range_says_what_it_expects(monkeypatch) -> None:
