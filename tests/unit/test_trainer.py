@@ -201,7 +201,8 @@ def test_two_sharded_processes_make_the_same_loss_and_update_as_one(model_dir, t
     single = Trainer(model_dir, _config())
     metrics = single.step(_samples(single))
     parallel = torch.load(out, weights_only=True)  # gradients (see the micro-batching test)
-    assert parallel["loss"] == pytest.approx(metrics.loss, rel=1e-5)
+    # On-policy with advantages of +-1 the loss is ~0: its float noise needs an absolute bound.
+    assert parallel["loss"] == pytest.approx(metrics.loss, rel=1e-5, abs=1e-6)
     for name, parameter in single.model.named_parameters():
         assert torch.allclose(parameter.grad, parallel["gradients"][name], rtol=1e-4, atol=1e-8), (
             name

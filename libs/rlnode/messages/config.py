@@ -313,6 +313,12 @@ class TrainingSpec(StrictModel):
         description="Recompute each layer's activations in the backward pass: less memory "
         "for longer sequences, about a third more compute.",
     )
+    share_prompts: bool = Field(
+        True,
+        description="Train samples with the same prompt (a group's) as one row: the prompt "
+        "once, each completion attending to it and to itself only. The same logprobs and "
+        "gradients for fewer tokens (rlnode.training.shared_prompts); false: a row each.",
+    )
     minibatches: PositiveInt = Field(
         1,
         le=64,

@@ -42,6 +42,13 @@ from rlnode.training.grpo import Sample, trained_tokens
 from rlnode.training.losses import LossInputs, LossSettings, loss_settings, make_loss
 from rlnode.training.losses.tinker import TokenLoss
 from rlnode.training.micro_batch_sizing import MicroBatchSizer
+from rlnode.training.shared_prompts import (
+    BLOCK_MASK_ATTENTION,
+    pack,
+    packed_tokens,
+    prompt_groups,
+    shares_prompts,
+)
 from rlnode.training.storage import temporary_sibling
 
 WEIGHT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -71,6 +78,9 @@ class TrainerConfig:
     # as recomputing them costs a quarter of its time (0: every pass recomputes).
     recompute_from_tokens: int = 0
     lora: LoraSpec | None = None  # train adapters on a frozen base (rlnode.models.lora)
+    # Samples with the same prompt (a group's) trained as one row: the same logprobs and
+    # gradients for fewer tokens (rlnode.training.shared_prompts). False: a row each.
+    share_prompts: bool = True
 
     @classmethod
     def for_job(cls, config: JobConfig) -> TrainerConfig:
@@ -96,6 +106,7 @@ class TrainerConfig:
             compute_dtype=training.compute_dtype,
             activation_checkpointing=training.activation_checkpointing,
             lora=training.lora,
+            share_prompts=training.share_prompts,
         )
 
 
@@ -182,6 +193,9 @@ class CompletionLogprobs(torch.nn.Module):
         super().__init__()
         self.lm: Any = lm  # a transformers causal LM (untyped there)
         self.chunk_tokens = chunk_tokens
+        self.attention = getattr(lm.config, "_attn_implementation", None)
+        # Whether rows of shared prompts can be passed (rlnode.training.shared_prompts).
+        self.takes_block_masks = self.attention in BLOCK_MASK_ATTENTION
         if getattr(lm.get_output_embeddings(), "bias", None) is not None:
             raise ValueError("output layers with a bias are not supported")
 
@@ -194,11 +208,24 @@ class CompletionLogprobs(torch.nn.Module):
         temperature: float,
         targets: torch.Tensor | None = None,
         graded: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """The logprob of token `input_ids[r, p + 1]` (or `targets[i]`) after
         `input_ids[r, : p + 1]`, for each (r, p) in zip(rows, positions); where `graded`
-        (one bool per pair) is False, without a gradient."""
-        hidden = self.lm.model(input_ids=input_ids, attention_mask=attention_mask)
+        (one bool per pair) is False, without a gradient. `attention_mask` is the rows'
+        padding [rows, width], or which keys each query sees [rows, 1, width, width] (bool;
+        with `position_ids`: packed rows of shared prompts)."""
+        if attention_mask.dim() == 4 and self.attention == "eager":  # eager adds its mask
+            blocked = torch.finfo(self.lm.get_input_embeddings().weight.dtype).min
+            allowed = attention_mask.bool()
+            attention_mask = torch.zeros(allowed.shape, device=allowed.device)
+            attention_mask = attention_mask.masked_fill(~allowed, blocked)
+        hidden = self.lm.model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        )
         chosen = hidden.last_hidden_state[rows, positions]
         weight = self.lm.get_output_embeddings().weight
         if targets is None:
@@ -217,13 +244,21 @@ class CompletionLogprobs(torch.nn.Module):
 
 
 def completion_logprobs(
-    model: torch.nn.Module, batch: list[Sample], device: str, temperature: float, pad_id: int
+    model: torch.nn.Module,
+    batch: list[Sample],
+    device: str,
+    temperature: float,
+    pad_id: int,
+    share_prompts: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs (of logits / temperature) of every trained completion token, right-padded
     into a [rows, longest completion] tensor, and the mask of the trained tokens: 0 past a
     row's end and where `Sample.loss_mask` says the environment wrote the token (a merged
     multi-turn trajectory), whose logprob is not computed (0 there). `model` is a
-    `CompletionLogprobs` (or a sharded one)."""
+    `CompletionLogprobs` (or a sharded one). With `share_prompts`, samples with the same
+    prompt are one row (rlnode.training.shared_prompts) where the model takes it."""
+    if share_prompts and getattr(model, "takes_block_masks", False) and shares_prompts(batch):
+        return _shared_prompt_logprobs(model, batch, device, temperature, pad_id)
     width = max(s.tokens for s in batch)
     longest = max(len(s.completion_ids) for s in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
@@ -250,13 +285,43 @@ def completion_logprobs(
     )
     out = torch.zeros((len(batch), longest), device=device, dtype=flat.dtype)
     out = out.index_put((index_rows, torch.tensor(columns, device=device)), flat)
+    return out, _trained_mask(batch, longest, device)
+
+
+def _shared_prompt_logprobs(
+    model: torch.nn.Module, batch: list[Sample], device: str, temperature: float, pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`completion_logprobs` of `batch` packed by prompt: the same values, fewer tokens."""
+    packed = pack(batch, pad_id)
+    flat = model(
+        packed.input_ids.to(device),
+        packed.allowed.to(device),
+        torch.tensor(packed.rows, device=device),
+        torch.tensor(packed.positions, device=device),
+        temperature,
+        torch.tensor(packed.targets, device=device),
+        None,
+        packed.position_ids.to(device),
+    )
+    longest = max(len(s.completion_ids) for s in batch)
+    out = torch.zeros((len(batch), longest), device=device, dtype=flat.dtype)
+    where = (
+        torch.tensor(packed.samples, device=device),
+        torch.tensor(packed.columns, device=device),
+    )
+    return out.index_put(where, flat), _trained_mask(batch, longest, device)
+
+
+def _trained_mask(batch: list[Sample], longest: int, device: str) -> torch.Tensor:
+    """1 at each row's trained completion tokens, 0 past its end and at the environment's
+    tokens of a merged multi-turn trajectory."""
     mask = torch.zeros((len(batch), longest))
     for row, s in enumerate(batch):
         if s.loss_mask is None:
             mask[row, : len(s.completion_ids)] = 1.0
         else:  # a merged trajectory: the environment's tokens are not trained
             mask[row, : len(s.loss_mask)] = torch.tensor(s.loss_mask, dtype=mask.dtype)
-    return out, mask.to(device)
+    return mask.to(device)
 
 
 def datum_logprobs(
@@ -425,7 +490,9 @@ class Trainer:
         # the rest: `self.model` stays the causal LM the logprobs are computed from.
         self.adapted: Any = _with_adapters(self.model, config.lora) if config.lora else None
         self.model.train()
-        self.policy: torch.nn.Module = CompletionLogprobs(self.model, config.logit_chunk_tokens)
+        policy = CompletionLogprobs(self.model, config.logit_chunk_tokens)
+        self.share_prompts = config.share_prompts and policy.takes_block_masks
+        self.policy: torch.nn.Module = policy
         if self.world > 1:
             self.policy = _shard(self.policy, device, self._compute_dtype())
         self.micro_batches = MicroBatchSizer(
@@ -506,15 +573,47 @@ class Trainer:
             micro_batch_tokens=max(r.micro_batch_tokens for r in results),
         )
 
+    def _sample_batches(
+        self, samples: list[Sample], count: int | None = None
+    ) -> list[list[Sample]]:
+        """`samples` in micro-batches within the budget (exactly `count` of them, when
+        given: see `equal_micro_batches`); with shared prompts, a group's samples together,
+        each micro-batch's packed rows within the budget."""
+        budget = self.micro_batches.budget
+        if not self.share_prompts:
+            return (
+                micro_batches(samples, budget)
+                if count is None
+                else equal_micro_batches(samples, budget, count)
+            )
+        rows = prompt_groups(samples, budget)
+        batches = (
+            micro_batches(rows, budget)
+            if count is None
+            else equal_micro_batches(rows, budget, count)
+        )
+        return [[s for group in batch for s in group.samples] for batch in batches]
+
+    def _padded_tokens(self, batch: list[Sample]) -> int:
+        """The tokens a micro-batch's pass computes, padding included."""
+        if self.share_prompts and shares_prompts(batch):
+            return packed_tokens(batch)
+        return len(batch) * max(s.tokens for s in batch)
+
     def _proximal_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
         """The policy's logprobs of every sample's completion before the step (by the
         sample's id()), for truncated IS across several optimizer steps."""
         mine = samples[self.rank :: self.world]
         out: dict[int, list[float]] = {}
         with torch.no_grad(), self._autocast():
-            for batch in micro_batches(mine, self.micro_batches.budget):
+            for batch in self._sample_batches(mine):
                 logprobs, _ = completion_logprobs(
-                    self.policy, batch, self.device, self.config.temperature, self.pad_id
+                    self.policy,
+                    batch,
+                    self.device,
+                    self.config.temperature,
+                    self.pad_id,
+                    self.share_prompts,
                 )
                 for row, sample in enumerate(batch):
                     out[id(sample)] = logprobs[row, : len(sample.completion_ids)].float().tolist()
@@ -534,20 +633,25 @@ class Trainer:
         total_tokens = float(sum(trained))
         normaliser = self.loss.normaliser(samples)
         budget = self.micro_batches.budget
-        batches = micro_batches(mine, budget)
+        batches = self._sample_batches(mine)
         (most_batches,) = _all_reduce([float(len(batches))], self.device, ("max",))
         if self.world > 1:
-            batches = equal_micro_batches(mine, budget, int(most_batches))
+            batches = self._sample_batches(mine, int(most_batches))
         sums = dict.fromkeys(("loss", "clipped", "ratio", "kl", "kl_tokens", "mismatch"), 0.0)
         self.optimizer.zero_grad(set_to_none=True)
         for batch in batches:
             weight = 1.0
             if not batch:  # this rank's share ran out: the same passes, contributing nothing
                 batch, weight = mine[:1], 0.0
-            padded = len(batch) * max(s.tokens for s in batch)
+            padded = self._padded_tokens(batch)
             with self._autocast(), self.micro_batches.measure(padded):
                 logprobs, mask = completion_logprobs(
-                    self.policy, batch, self.device, self.config.temperature, self.pad_id
+                    self.policy,
+                    batch,
+                    self.device,
+                    self.config.temperature,
+                    self.pad_id,
+                    self.share_prompts,
                 )
                 width = logprobs.shape[1]
                 mask = mask * weight
@@ -715,6 +819,7 @@ class Trainer:
                     self.reference_device,
                     self.config.temperature,
                     self.pad_id,
+                    self.share_prompts,
                 )
             return logprobs.to(self.device)
         return None
