@@ -600,6 +600,14 @@ class Trainer:
             return packed_tokens(batch)
         return len(batch) * max(s.tokens for s in batch)
 
+    def _logprobs(
+        self, model: torch.nn.Module, batch: list[Sample], device: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`completion_logprobs` of `batch` under `model` (the policy or the reference)."""
+        return completion_logprobs(
+            model, batch, device, self.config.temperature, self.pad_id, self.share_prompts
+        )
+
     def _proximal_logprobs(self, samples: list[Sample]) -> dict[int, list[float]]:
         """The policy's logprobs of every sample's completion before the step (by the
         sample's id()), for truncated IS across several optimizer steps."""
@@ -607,14 +615,7 @@ class Trainer:
         out: dict[int, list[float]] = {}
         with torch.no_grad(), self._autocast():
             for batch in self._sample_batches(mine):
-                logprobs, _ = completion_logprobs(
-                    self.policy,
-                    batch,
-                    self.device,
-                    self.config.temperature,
-                    self.pad_id,
-                    self.share_prompts,
-                )
+                logprobs, _ = self._logprobs(self.policy, batch, self.device)
                 for row, sample in enumerate(batch):
                     out[id(sample)] = logprobs[row, : len(sample.completion_ids)].float().tolist()
         return out
@@ -645,14 +646,7 @@ class Trainer:
                 batch, weight = mine[:1], 0.0
             padded = self._padded_tokens(batch)
             with self._autocast(), self.micro_batches.measure(padded):
-                logprobs, mask = completion_logprobs(
-                    self.policy,
-                    batch,
-                    self.device,
-                    self.config.temperature,
-                    self.pad_id,
-                    self.share_prompts,
-                )
+                logprobs, mask = self._logprobs(self.policy, batch, self.device)
                 width = logprobs.shape[1]
                 mask = mask * weight
                 terms = self.loss(
@@ -813,14 +807,7 @@ class Trainer:
             return _padded(carried, width, self.device)
         if self.reference is not None:
             with torch.no_grad():
-                logprobs, _ = completion_logprobs(
-                    self.reference,
-                    batch,
-                    self.reference_device,
-                    self.config.temperature,
-                    self.pad_id,
-                    self.share_prompts,
-                )
+                logprobs, _ = self._logprobs(self.reference, batch, self.reference_device)
             return logprobs.to(self.device)
         return None
 
