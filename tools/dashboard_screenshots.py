@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import secrets
 import shutil
 import tempfile
@@ -24,7 +23,7 @@ from rlnode.examples import example_job
 from rlnode.messages.config import EvalSeeds
 from rlnode.models.catalogue import packaged_gguf
 from rlnode.models.gguf import import_gguf
-from rlnode.node.demo import real_model_engine
+from rlnode.node.demo import real_model_env
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.service.registry import CHECKPOINT_SERVER
 from rlnode.service.settings import NodeSettings
@@ -45,10 +44,7 @@ def main() -> int:
     store = NodeSettings().model_dir
     model = import_gguf(packaged_gguf("smollm2-135m-instruct"), store).path
     root = Path(tempfile.mkdtemp(prefix="rlnode-screenshots-"))
-    env = {
-        "learner": {"LEARNER_MODEL_DIRS": json.dumps([str(store)])},
-        "rollout-generator": real_model_engine(),
-    }
+    env = real_model_env(store)
     with LocalNode(NodeOptions(data_dir=root / "node", env=env)) as node:
         org = node.create_org("demo", {"ENVIRONMENT_API_KEY": "demo-" + secrets.token_hex(16)})
         node.register_example_task_app(org, "arithmetic", "arithmetic")

@@ -58,3 +58,37 @@ def test_a_generator_spreads_over_the_gateways_it_is_given(monkeypatch) -> None:
         monkeypatch.setenv("GENERATOR_GATEWAY_URL", bad)
         with pytest.raises(ValidationError, match=says):
             GeneratorSettings()
+
+
+def test_the_parity_probe_allows_half_precision_its_rounding(monkeypatch) -> None:
+    from rlnode_services.rollout_generator.settings import GeneratorSettings
+
+    for dtype, device, tolerance in (
+        ("auto", "cpu", 1e-3),
+        ("float32", "cuda", 1e-3),
+        ("auto", "cuda:0", 0.5),
+        ("bfloat16", "cpu", 0.5),
+        ("float16", "cuda", 0.5),
+    ):
+        monkeypatch.setenv("GENERATOR_DTYPE", dtype)
+        monkeypatch.setenv("GENERATOR_DEVICE", device)
+        assert GeneratorSettings().parity_tolerance == tolerance, (dtype, device)
+    monkeypatch.setenv("GENERATOR_PROBE_TOLERANCE", "0.01")
+    assert GeneratorSettings().parity_tolerance == 0.01
+    monkeypatch.setenv("GENERATOR_PROBE_TOLERANCE", "0")
+    with pytest.raises(ValidationError, match="greater than 0"):
+        GeneratorSettings()
+
+
+def test_a_cpu_generates_in_bf16_only_where_it_computes_it_natively(tmp_path: Path) -> None:
+    from rlnode.engine.precision import cpu_generation_dtype, cpu_has_native_bf16
+
+    cpuinfo = tmp_path / "cpuinfo"
+    flags = "fpu sse2 avx2 avx512f avx512bw"
+    for extra, native in (("", False), (" avx512_bf16", True), (" amx_tile amx_bf16", True)):
+        cpuinfo.write_text(f"processor\t: 0\nflags\t\t: {flags}{extra}\nbugs\t\t: spectre\n")
+        assert cpu_has_native_bf16(cpuinfo) is native, extra
+        assert cpu_generation_dtype(cpuinfo) == ("bfloat16" if native else "float32")
+    cpuinfo.write_text("processor\t: 0\n")  # no flags line (another architecture)
+    assert cpu_generation_dtype(cpuinfo) == "float32"
+    assert cpu_generation_dtype(tmp_path / "missing") == "float32"

@@ -20,6 +20,7 @@ from rlnode.engine.base import (
     check_prompt,
     check_weights_fit,
 )
+from rlnode.engine.precision import resolved_dtype
 from rlnode.messages.config import LoraSpec
 from rlnode.models.hf import load_causal_lm, load_tokenizer
 from rlnode.models.lora import AdapterError, check_adapter_fits, merged_weights, saved_in_full
@@ -47,10 +48,7 @@ def load_model(path: Path, device: str, dtype: str = "auto"):
     model and a real one."""
     import torch
 
-    if dtype == "auto":
-        torch_dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    else:
-        torch_dtype = getattr(torch, DTYPES[dtype])
+    torch_dtype = getattr(torch, DTYPES[resolved_dtype(dtype, device)])
     try:
         tokenizer = load_tokenizer(path)
         model = load_causal_lm(path, dtype=torch_dtype)

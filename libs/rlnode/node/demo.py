@@ -104,12 +104,12 @@ def run_real_model_demo(steps: int = 12, data_dir: Path | None = None) -> int:
     say(f"1/7  importing SmolLM2-135M-Instruct from its package's GGUF into {store} (once)")
     imported = import_gguf(packaged_gguf("smollm2-135m-instruct"), store)
     say(f"     {'found' if imported.reused else 'imported'}: {imported.path}")
-    engine = real_model_engine()
-    say(f"2/7  starting the node (the generator runs {engine['GENERATOR_ENGINE']}); ~1-2 min")
-    env = {
-        "learner": {"LEARNER_MODEL_DIRS": json.dumps([str(store)])},
-        "rollout-generator": engine,
-    }
+    env = real_model_env(store)
+    engine = env["rollout-generator"]
+    say(
+        f"2/7  starting the node (the generator runs {engine['GENERATOR_ENGINE']} in "
+        f"{engine['GENERATOR_DTYPE']}); ~1-2 min"
+    )
     with LocalNode(NodeOptions(data_dir=root / "node", env=env)) as node:
         say(f"     up in {time.perf_counter() - started:.0f}s")
         org = node.create_org("demo", {"ENVIRONMENT_API_KEY": "demo-" + secrets.token_hex(16)})
@@ -173,16 +173,26 @@ def run_real_model_demo(steps: int = 12, data_dir: Path | None = None) -> int:
 HELD_OUT_SHOWN = range(1_000_000, 1_000_006)
 
 
-def real_model_engine() -> dict[str, str]:
+def real_model_env(store: Path) -> dict[str, dict[str, str]]:
+    """The node's services' settings for a real-model job on models in `store`: a vLLM
+    generator where vLLM is installed (torch's otherwise, fp32), in bf16 where the CPU
+    computes it natively (rlnode.engine.precision), and the learner writing its weight
+    versions in the generator's dtype (half the bytes in bf16)."""
     import importlib.util
 
+    from rlnode.engine.precision import cpu_generation_dtype
+
+    learner = {"LEARNER_MODEL_DIRS": json.dumps([str(store)])}
     if importlib.util.find_spec("vllm") is None:
-        return {"GENERATOR_ENGINE": "torch", "GENERATOR_DTYPE": "float32"}
-    return {
-        "GENERATOR_ENGINE": "vllm",
-        "GENERATOR_DTYPE": "float32",
-        "GENERATOR_CPU_KV_CACHE_MIB": "512",
-    }
+        generator = {"GENERATOR_ENGINE": "torch", "GENERATOR_DTYPE": "float32"}
+    else:
+        generator = {
+            "GENERATOR_ENGINE": "vllm",
+            "GENERATOR_DTYPE": cpu_generation_dtype(),
+            "GENERATOR_CPU_KV_CACHE_MIB": "512",
+        }
+    learner["LEARNER_WEIGHTS_DTYPE"] = generator["GENERATOR_DTYPE"]
+    return {"learner": learner, "rollout-generator": generator}
 
 
 def _answers_of_the_imported_model(model: Path, tasks: list[dict], max_tokens: int) -> list[str]:

@@ -46,16 +46,9 @@ def _inputs(completion: int) -> int:
 def prompt_groups(samples: Sequence[Sample], token_budget: int) -> list[PromptGroup]:
     """`samples` grouped by identical prompt (groups in order of first appearance, samples
     in their order), a group split into more rows where one would pass `token_budget`."""
-    by_prompt: dict[tuple[int, ...], list[PromptGroup]] = {}
-    groups: list[PromptGroup] = []
-    for s in samples:
-        rows = by_prompt.setdefault(tuple(s.prompt_ids), [])
-        if rows and rows[-1].tokens + _inputs(len(s.completion_ids)) <= token_budget:
-            rows[-1].samples.append(s)
-            continue
-        rows.append(PromptGroup([s]))
-        groups.append(rows[-1])
-    return groups
+    return [
+        PromptGroup([samples[i] for i in row]) for row in _rows_by_prompt(samples, token_budget)
+    ]
 
 
 def shares_prompts(batch: Sequence[Sample]) -> bool:
@@ -63,12 +56,24 @@ def shares_prompts(batch: Sequence[Sample]) -> bool:
     return len({tuple(s.prompt_ids) for s in batch}) < len(batch)
 
 
-def _rows_by_prompt(batch: Sequence[Sample]) -> list[list[int]]:
-    """The indices of `batch`'s samples, one list per distinct prompt (in order)."""
-    rows: dict[tuple[int, ...], list[int]] = {}
+def _rows_by_prompt(batch: Sequence[Sample], token_budget: int | None = None) -> list[list[int]]:
+    """The indices of `batch`'s samples, one list per packed row: a row per distinct prompt
+    (in order of first appearance), a new one where the prompt's row would pass
+    `token_budget` (None: never)."""
+    open_rows: dict[tuple[int, ...], list[int]] = {}
+    rows: list[list[int]] = []
     for i, s in enumerate(batch):
-        rows.setdefault(tuple(s.prompt_ids), []).append(i)
-    return list(rows.values())
+        key = tuple(s.prompt_ids)
+        row = open_rows.get(key)
+        if row is not None and (
+            token_budget is None
+            or _row_tokens(batch, row) + _inputs(len(s.completion_ids)) <= token_budget
+        ):
+            row.append(i)
+            continue
+        open_rows[key] = [i]
+        rows.append(open_rows[key])
+    return rows
 
 
 def _row_tokens(batch: Sequence[Sample], members: list[int]) -> int:

@@ -9,6 +9,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from rlnode.engine.precision import resolved_dtype
 from rlnode.messages.rollouts import MAX_SAMPLES_PER_WORK
 from rlnode.messages.topics import LEARNER_GROUP, LEARNER_TINKER_GROUP, LEARNER_TRAJECTORIES_GROUP
 from rlnode.service.registry import GATEWAY, LEARNER
@@ -205,9 +206,7 @@ class LearnerSettings(VaultClientSettings):
 
     @property
     def engine_dtype(self) -> str:
-        if self.weights_dtype != "auto":
-            return self.weights_dtype
-        return "bfloat16" if self.devices.startswith("cuda") else "float32"
+        return resolved_dtype(self.weights_dtype, self.devices)
 
     @property
     def device_list(self) -> list[str]:

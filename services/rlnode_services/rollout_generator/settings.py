@@ -11,6 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import SettingsConfigDict
 
+from rlnode.engine.precision import resolved_dtype
 from rlnode.messages.topics import ROLLOUT_GENERATOR_GROUP
 from rlnode.node.plan import INFERENCE_FRACTION
 from rlnode.service.registry import GATEWAY, GENERATOR
@@ -93,8 +94,12 @@ class GeneratorSettings(VaultClientSettings):
     weights_wait_s: float = Field(
         60.0, ge=0, description="How long work waits for the weights it was issued at."
     )
-    probe_tolerance: float = Field(
-        1e-3, gt=0, description="Max |logprob diff| of the parity probe."
+    probe_tolerance: float | None = Field(
+        None,
+        gt=0,
+        description="Max |logprob diff| of the parity probe (default: 1e-3 for a float32 "
+        "engine, 0.5 for bfloat16 or float16: rounding alone moves SmolLM2's probe by 0.31 in "
+        "a bf16 vLLM against the learner's fp32 pass; wrong weights move it by whole nats).",
     )
     weights_url: str | None = Field(
         None,
@@ -176,6 +181,17 @@ class GeneratorSettings(VaultClientSettings):
                 "weights_fetch 'always' downloads from the learner: set GENERATOR_WEIGHTS_URL"
             )
         return self
+
+    @property
+    def engine_dtype(self) -> str:
+        """The engine's weights: `dtype`, with auto resolved (bfloat16 on GPUs)."""
+        return resolved_dtype(self.dtype, self.device)
+
+    @property
+    def parity_tolerance(self) -> float:
+        if self.probe_tolerance is not None:
+            return self.probe_tolerance
+        return 1e-3 if self.engine_dtype == "float32" else 0.5
 
     @property
     def fetched_weights_dir(self) -> Path:

@@ -88,7 +88,7 @@ class WeightSync:
             self._changed.notify_all()
         if loaded is None:
             return  # someone else loaded it meanwhile
-        ok = loaded.probe_max_abs_diff <= self.settings.probe_tolerance
+        ok = loaded.probe_max_abs_diff <= self.settings.parity_tolerance
         how = _how(loaded)
         log.info("job %s: loaded weights v%d %s", version.job_id, version.version, how)
         await self.bus.publish(
