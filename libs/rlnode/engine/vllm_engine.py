@@ -36,6 +36,7 @@ from rlnode.engine.base import (
     check_prompt,
     check_weights_fit,
 )
+from rlnode.engine.precision import resolved_dtype
 from rlnode.messages.config import LoraSpec
 from rlnode.models import TIED_INPUT, TIED_OUTPUT
 from rlnode.models.hf import load_tokenizer
@@ -127,7 +128,8 @@ class VLLMEngine:
             _check_cpu_head_size(config)
         options: dict[str, Any] = {
             "model": str(self.model_path),
-            "dtype": dtype,
+            # auto as rlnode documents it (fp32 on the CPU), not vLLM's own choice.
+            "dtype": resolved_dtype(dtype, self.device),
             "tensor_parallel_size": tensor_parallel_size,
             "seed": seed,
             "max_num_seqs": max_batch_size,
