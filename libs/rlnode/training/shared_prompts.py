@@ -61,17 +61,18 @@ def _rows_by_prompt(batch: Sequence[Sample], token_budget: int | None = None) ->
     (in order of first appearance), a new one where the prompt's row would pass
     `token_budget` (None: never)."""
     open_rows: dict[tuple[int, ...], list[int]] = {}
+    open_tokens: dict[tuple[int, ...], int] = {}  # each open row's length so far
     rows: list[list[int]] = []
     for i, s in enumerate(batch):
         key = tuple(s.prompt_ids)
+        added = _inputs(len(s.completion_ids))
         row = open_rows.get(key)
-        if row is not None and (
-            token_budget is None
-            or _row_tokens(batch, row) + _inputs(len(s.completion_ids)) <= token_budget
-        ):
+        if row is not None and (token_budget is None or open_tokens[key] + added <= token_budget):
             row.append(i)
+            open_tokens[key] += added
             continue
         open_rows[key] = [i]
+        open_tokens[key] = len(s.prompt_ids) + added
         rows.append(open_rows[key])
     return rows
 
