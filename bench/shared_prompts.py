@@ -37,7 +37,7 @@ ENV_CONFIG = {"max_operand": 20, "operations": "+"}  # B9's (bench/real_model.py
 
 
 @torch.no_grad()
-def _samples(trainer: Trainer, prompts: int, group: int, max_tokens: int) -> list[Sample]:
+def sampled_step(trainer: Trainer, prompts: int, group: int, max_tokens: int) -> list[Sample]:
     """`group` completions of each question sampled from the trainer's model, rewarded by the
     Task App's own grader, with group-relative advantages and on-policy behaviour logprobs."""
     torch.manual_seed(0)
@@ -106,7 +106,7 @@ def main() -> None:
             )
             for name, share in layouts.items()
         }
-        samples = _samples(trainers["packed"], args.prompts, args.group, args.max_tokens)
+        samples = sampled_step(trainers["packed"], args.prompts, args.group, args.max_tokens)
         with torch.no_grad():
             packed, mask = completion_logprobs(
                 trainers["packed"].policy, samples, "cpu", 0.7, trainers["packed"].pad_id, True

@@ -147,6 +147,25 @@ def test_gradients_add_up_across_passes_until_the_optimizer_step(model_dir) -> N
         assert torch.allclose(a, b, atol=1e-6)
 
 
+def test_passes_on_a_bf16_copy_of_the_weights_add_up_in_the_fp32_masters(model_dir) -> None:
+    fp32 = _trainer(model_dir)
+    copied = _trainer(
+        model_dir,
+        compute_dtype="bfloat16",
+        weights_in_compute_dtype=True,
+        tokens_per_micro_batch=8,
+    )
+    loss = TokenLoss.of("cross_entropy")
+    fp32.forward_backward([_datum(s) for s in SEQUENCES], loss)
+    for s in SEQUENCES:
+        copied.forward_backward([_datum(s)], loss)
+    assert all(p.grad is None for p in copied.compute_model.parameters())
+    norms = [t.optim_step(1e-3) for t in (fp32, copied)]
+    assert norms[1] == pytest.approx(norms[0], rel=0.02) and norms[0] > 0
+    pairs = zip(copied.model.parameters(), copied.compute_model.parameters(), strict=True)
+    assert all(torch.equal(copy, master.to(torch.bfloat16)) for master, copy in pairs)
+
+
 def test_a_forward_only_pass_leaves_nothing_for_the_optimizer(model_dir) -> None:
     trainer = _trainer(model_dir)
     before = [p.detach().clone() for p in trainer.model.parameters()]

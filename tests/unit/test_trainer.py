@@ -86,6 +86,47 @@ def test_bf16_passes_on_the_cpu_keep_fp32_masters_and_the_fp32_parity_probe(mode
     assert all(p.grad.dtype == torch.float32 for p in bf16.model.parameters())
 
 
+def _gradient(trainer: Trainer) -> torch.Tensor:
+    return torch.cat([p.grad.flatten() for p in trainer.model.parameters()])
+
+
+def _copy_is_the_masters_rounded(trainer: Trainer) -> bool:
+    pairs = zip(trainer.model.parameters(), trainer.compute_model.parameters(), strict=True)
+    return all(torch.equal(copy, master.to(torch.bfloat16)) for master, copy in pairs)
+
+
+def test_passes_on_a_bf16_copy_of_the_weights_train_the_fp32_masters(model_dir, tmp_path) -> None:
+    bf16 = {"compute_dtype": "bfloat16", "weights_in_compute_dtype": True}
+    fp32, copied = (
+        Trainer(model_dir, _config()),
+        Trainer(model_dir, _config(tokens_per_micro_batch=20, **bf16)),
+    )
+    samples = _samples(fp32)
+    assert len(copied._sample_batches(samples)) > 1  # gradients carried over several passes
+    fp32.step(samples)
+    metrics = copied.step(samples)
+    assert metrics.ratio_mean == pytest.approx(1.0, abs=0.05) and metrics.grad_norm > 0
+    assert all(
+        p.dtype == torch.float32 and p.grad.dtype == torch.float32
+        for p in copied.model.parameters()
+    )
+    assert all(
+        p.dtype == torch.bfloat16 and p.grad is None for p in copied.compute_model.parameters()
+    )
+    cosine = torch.nn.functional.cosine_similarity(_gradient(copied), _gradient(fp32), dim=0)
+    assert cosine > 0.99  # the same gradient up to bf16's rounding of the passes
+    assert _copy_is_the_masters_rounded(copied)
+    # The probe stays the fp32 masters' on the CPU.
+    assert copied.score(samples[0].prompt_ids) == pytest.approx(
+        fp32.score(samples[0].prompt_ids), abs=0.05
+    )
+    resumed = Trainer(model_dir, _config(**bf16))
+    resumed.load_checkpoint(copied.save_checkpoint(tmp_path / "step-1", {}))
+    for a, b in zip(copied.model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert _copy_is_the_masters_rounded(resumed)
+
+
 def test_micro_batching_does_not_change_the_update(model_dir) -> None:
     whole, split = (
         Trainer(model_dir, _config()),

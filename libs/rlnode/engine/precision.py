@@ -4,13 +4,15 @@ AVX512-BF16), float32 elsewhere, where bf16 is emulated and slower than fp32.
 Measured on such a CPU (bench/results/real_model.md, B9): vLLM generates B9's step of 64
 completions ~3x faster in bf16 than in fp32 (2.5-2.8 s against 7.9-8.1 s), and the whole job
 reaches the held-out target in 0.43x TRL's time against 0.52x with an fp32 generator, to a
-final accuracy at least TRL's. The trainer stays fp32 (its bf16 autocast did not pay inside
-the node: docs/decisions.md), so the sampler's logprobs differ more from the trainer's; the
-loss's importance correction uses the sampler's own."""
+final accuracy at least TRL's. The trainer computes in bf16 there too, on a copy of its
+weights in bf16 beside the fp32 masters (`TrainingSpec.weights_in_compute_dtype`): B16 measured
+its step at 0.47x fp32's and 0.72x bf16 autocast's (bench/results/trainer_precision.md);
+autocast alone did not pay inside the node (docs/decisions.md)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 # /proc/cpuinfo's names for the instructions that compute bf16 natively.
 NATIVE_BF16_FLAGS = frozenset({"amx_bf16", "avx512_bf16"})
@@ -32,6 +34,16 @@ def cpu_has_native_bf16(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 def cpu_generation_dtype(cpuinfo: Path = Path("/proc/cpuinfo")) -> str:
     """The dtype rlnode's real-model runs give a vLLM generator on this CPU."""
     return "bfloat16" if cpu_has_native_bf16(cpuinfo) else "float32"
+
+
+def cpu_training_precision(cpuinfo: Path = Path("/proc/cpuinfo")) -> dict[str, Any]:
+    """The trainer's precision (TrainingSpec's fields) in rlnode's real-model runs on this
+    CPU: bf16 passes on a bf16 copy of the weights where bf16 is native, fp32 elsewhere."""
+    native = cpu_has_native_bf16(cpuinfo)
+    return {
+        "compute_dtype": "bfloat16" if native else "float32",
+        "weights_in_compute_dtype": native,
+    }
 
 
 def resolved_dtype(dtype: str, device: str) -> str:

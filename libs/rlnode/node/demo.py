@@ -91,6 +91,7 @@ def run_demo(steps: int = 60, data_dir: Path | None = None) -> int:
 
 
 def run_real_model_demo(steps: int = 12, data_dir: Path | None = None) -> int:
+    from rlnode.engine.precision import cpu_training_precision
     from rlnode.examples.taskapps import arithmetic
     from rlnode.messages.config import EvalSeeds
     from rlnode.models.catalogue import packaged_gguf
@@ -130,7 +131,9 @@ def run_real_model_demo(steps: int = 12, data_dir: Path | None = None) -> int:
                         "seeds": EvalSeeds(start=HELD_OUT_SHOWN.start, count=32),
                     }
                 ),
-                "training": config.training.model_copy(update={"checkpoint_every": steps}),
+                "training": config.training.model_copy(
+                    update={"checkpoint_every": steps, **cpu_training_precision()}
+                ),
             }
         )
         say(

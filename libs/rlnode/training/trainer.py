@@ -24,6 +24,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable, Iterator
+from copy import deepcopy
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -73,6 +74,8 @@ class TrainerConfig:
     seed: int
     logit_chunk_tokens: int = 64
     compute_dtype: str = "auto"  # TrainingSpec.compute_dtype
+    # The passes on a copy of the weights in compute_dtype, not autocast (one rank).
+    weights_in_compute_dtype: bool = False
     activation_checkpointing: bool = False
     # With activation_checkpointing: a pass of fewer (padded) tokens keeps its activations,
     # as recomputing them costs a quarter of its time (0: every pass recomputes).
@@ -104,6 +107,7 @@ class TrainerConfig:
             seed=training.seed,
             logit_chunk_tokens=training.logit_chunk_tokens,
             compute_dtype=training.compute_dtype,
+            weights_in_compute_dtype=training.weights_in_compute_dtype,
             activation_checkpointing=training.activation_checkpointing,
             lora=training.lora,
             share_prompts=training.share_prompts,
@@ -479,7 +483,8 @@ class Trainer:
         self.tokenizer = load_tokenizer(model_path)
         self.rank, self.world = _world()
         # fp32 master weights; bf16 compute on GPUs (autocast with one rank, FSDP's
-        # mixed precision with several), on the CPU where the job asks for it (autocast).
+        # mixed precision with several), on the CPU where the job asks for it (autocast,
+        # or with `weights_in_compute_dtype` passes on a bf16 copy of the weights).
         model = load_causal_lm(model_path, dtype=torch.float32)
         if config.activation_checkpointing:
             model.gradient_checkpointing_enable(
@@ -500,7 +505,17 @@ class Trainer:
             fixed=config.tokens_per_micro_batch,
             reduce=lambda values, ops: _all_reduce(values, device, ops),
         )
-        self.micro_batches.exclude(self.policy.parameters())
+        # The passes' model: the policy itself, or a copy of its weights in the compute
+        # dtype (see `_compute_copy`), whose gradients are carried into the fp32 masters.
+        self.compute_model, self.compute_policy = self.model, self.policy
+        self._copied: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
+        if config.weights_in_compute_dtype and self.world == 1:
+            self.compute_model = _compute_copy(self.model, self._compute_dtype())
+            self.compute_policy = CompletionLogprobs(self.compute_model, config.logit_chunk_tokens)
+            self._copied = list(
+                zip(self.model.parameters(), self.compute_model.parameters(), strict=True)
+            )
+        self.micro_batches.exclude([*self.policy.parameters(), *self.compute_policy.parameters()])
         self.reference: torch.nn.Module | None = None
         self.reference_device = reference_device or device
         if reference_on_trainer:
@@ -533,6 +548,31 @@ class Trainer:
         if dtype == torch.float32 or (cuda and self.world > 1):  # FSDP casts on GPUs
             return contextlib.nullcontext()
         return torch.autocast("cuda" if cuda else "cpu", dtype=dtype)
+
+    def _pass_precision(self) -> contextlib.AbstractContextManager[Any]:
+        """The training passes': autocast, or nothing where their weights are the copy
+        already in the compute dtype."""
+        return contextlib.nullcontext() if self._copied else self._autocast()
+
+    def _carry_gradients(self) -> None:
+        """Adds the compute copy's gradients (one pass's) to the fp32 masters': accumulated
+        over micro-batches in fp32, as autocast's are."""
+        for master, copy in self._copied:
+            if copy.grad is None:
+                continue
+            if master.grad is None:
+                master.grad = copy.grad.to(master.dtype)
+            else:
+                master.grad.add_(copy.grad)
+            copy.grad = None
+
+    @torch.no_grad()
+    def _refresh_compute_copy(self, trained_only: bool = True) -> None:
+        """The compute copy's weights rounded from the masters (after an optimizer step: the
+        trained ones; after loading a checkpoint: all)."""
+        for master, copy in self._copied:
+            if master.requires_grad or not trained_only:
+                copy.copy_(master)
 
     def step(self, samples: list[Sample]) -> StepMetrics:
         """One training step on `samples` (every rank passes the same list): `minibatches`
@@ -613,9 +653,9 @@ class Trainer:
         sample's id()), for truncated IS across several optimizer steps."""
         mine = samples[self.rank :: self.world]
         out: dict[int, list[float]] = {}
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self._pass_precision():
             for batch in self._sample_batches(mine):
-                logprobs, _ = self._logprobs(self.policy, batch, self.device)
+                logprobs, _ = self._logprobs(self.compute_policy, batch, self.device)
                 for row, sample in enumerate(batch):
                     out[id(sample)] = logprobs[row, : len(sample.completion_ids)].float().tolist()
         return out
@@ -645,8 +685,8 @@ class Trainer:
             if not batch:  # this rank's share ran out: the same passes, contributing nothing
                 batch, weight = mine[:1], 0.0
             padded = self._padded_tokens(batch)
-            with self._autocast(), self.micro_batches.measure(padded):
-                logprobs, mask = self._logprobs(self.policy, batch, self.device)
+            with self._pass_precision(), self.micro_batches.measure(padded):
+                logprobs, mask = self._logprobs(self.compute_policy, batch, self.device)
                 width = logprobs.shape[1]
                 mask = mask * weight
                 terms = self.loss(
@@ -667,6 +707,7 @@ class Trainer:
                 )
                 # Gradients are averaged over ranks; x world turns that back into a global sum.
                 (terms.total * self.world / normaliser).backward()
+            self._carry_gradients()
             sums["loss"] += float(terms.total.detach())
             sums["clipped"] += float(terms.clipped_tokens)
             sums["ratio"] += float(terms.ratio_sum)
@@ -678,6 +719,7 @@ class Trainer:
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
+        self._refresh_compute_copy()
         self.micro_batches.step_done()
         loss, clipped, ratio, kl_sum, kl_tokens, mismatch = _all_reduce(
             [sums[k] for k in ("loss", "clipped", "ratio", "kl", "kl_tokens", "mismatch")],
@@ -754,8 +796,10 @@ class Trainer:
             padded = len(batch) * max(d.tokens for d in batch)
             self._recompute_activations(padded)
             measured = self.micro_batches.measure(padded) if backward else contextlib.nullcontext()
-            with torch.set_grad_enabled(backward), self._autocast(), measured:
-                lp, mask = datum_logprobs(self.policy, batch, self.device, self.pad_id, loss)
+            with torch.set_grad_enabled(backward), self._pass_precision(), measured:
+                lp, mask = datum_logprobs(
+                    self.compute_policy, batch, self.device, self.pad_id, loss
+                )
                 width = lp.shape[1]
                 inputs = {
                     key: _padded([d.inputs[key] for d in batch], width, self.device)
@@ -765,6 +809,7 @@ class Trainer:
                 if backward:
                     # Gradients are averaged over ranks; x world turns that into a global sum.
                     (total * self.world).backward()
+                    self._carry_gradients()
             loss_sum += float(total.detach())
             if weight:
                 for row, d in enumerate(batch):
@@ -775,7 +820,7 @@ class Trainer:
         if not self.config.activation_checkpointing:
             return
         recompute = tokens >= self.config.recompute_from_tokens
-        for module in self.model.modules():
+        for module in self.compute_model.modules():
             if hasattr(module, "gradient_checkpointing"):
                 module.gradient_checkpointing = recompute
 
@@ -796,6 +841,7 @@ class Trainer:
         limit = grad_clip_norm if grad_clip_norm > 0 else float("inf")
         norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), limit)
         self.optimizer.step()
+        self._refresh_compute_copy()
         self.optimizer.zero_grad(set_to_none=True)
         self.micro_batches.step_done()
         self.steps += 1
@@ -992,7 +1038,19 @@ class Trainer:
         else:
             self.optimizer.zero_grad(set_to_none=True)
             self.optimizer.state.clear()
+        self._refresh_compute_copy(trained_only=False)
         return state
+
+
+def _compute_copy(model: Any, dtype: torch.dtype) -> Any:
+    """A copy of `model` with its parameters in `dtype` (tied ones still tied; adapters and
+    what is frozen as in `model`) for the passes to run on: bf16 matmuls without
+    autocast's cast of every weight at every use. Buffers keep their dtype (the rotary
+    frequencies stay fp32, as a model loaded in bf16 keeps them)."""
+    copy = deepcopy(model)
+    for parameter in copy.parameters():
+        parameter.data = parameter.data.to(dtype)
+    return copy
 
 
 def _shard(policy: torch.nn.Module, device: str, compute: torch.dtype) -> torch.nn.Module:
