@@ -1,13 +1,13 @@
-"""Which dtype a CPU generates in: bfloat16 where the cores compute it natively (AMX or
-AVX512-BF16), float32 elsewhere, where bf16 is emulated and slower than fp32.
+"""Which dtype a CPU generates and trains in: bfloat16 where the cores compute it natively
+(AMX or AVX512-BF16), float32 elsewhere, where bf16 is emulated and slower than fp32.
 
-Measured on such a CPU (bench/results/real_model.md, B9): vLLM generates B9's step of 64
-completions ~3x faster in bf16 than in fp32 (2.5-2.8 s against 7.9-8.1 s), and the whole job
-reaches the held-out target in 0.43x TRL's time against 0.52x with an fp32 generator, to a
-final accuracy at least TRL's. The trainer computes in bf16 there too, on a copy of its
-weights in bf16 beside the fp32 masters (`TrainingSpec.weights_in_compute_dtype`): B16 measured
-its step at 0.47x fp32's and 0.72x bf16 autocast's (bench/results/trainer_precision.md);
-autocast alone did not pay inside the node (docs/decisions.md)."""
+Measured on such a CPU: vLLM generates B9's step of 64 completions ~3x faster in bf16 than
+in fp32 (2.5-2.8 s against 7.9-8.1 s); the trainer's passes on a bf16 copy of its weights
+beside the fp32 masters (`TrainingSpec.weights_in_compute_dtype`) take 0.47x fp32's step and
+0.72x bf16 autocast's (B16, bench/results/trainer_precision.md; autocast alone did not pay
+inside the node: docs/decisions.md). With both, the whole job reaches B9's held-out target
+in 0.32x TRL's time (0.43x with an fp32 trainer, 0.52x with fp32 generation too), to a final
+accuracy above TRL's (bench/results/real_model.md)."""
 
 from __future__ import annotations
 
