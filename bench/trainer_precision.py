@@ -19,18 +19,16 @@ from __future__ import annotations
 import argparse
 import statistics
 import tempfile
-import time
 from pathlib import Path
 
 import torch
-from bench_common import own_status_bytes, reset_own_peak, write_results
-from shared_prompts import sampled_step
+from bench_common import write_results
+from shared_prompts import interleaved_steps, sampled_step, step_arguments
 
 from rlnode.engine.precision import cpu_has_native_bf16
 from rlnode.messages import TrainingSpec
 from rlnode.models.catalogue import packaged_gguf
 from rlnode.models.gguf import import_gguf
-from rlnode.training.grpo import Sample
 from rlnode.training.trainer import Trainer, TrainerConfig, completion_logprobs
 
 PRECISIONS = {
@@ -38,14 +36,6 @@ PRECISIONS = {
     "bf16 autocast": {"compute_dtype": "bfloat16"},
     "bf16 weights copy": {"compute_dtype": "bfloat16", "weights_in_compute_dtype": True},
 }
-
-
-def _step(trainer: Trainer, samples: list[Sample]) -> tuple[float, int]:
-    reset_own_peak()
-    before = own_status_bytes("VmRSS")
-    started = time.perf_counter()
-    trainer.step(samples)
-    return time.perf_counter() - started, own_status_bytes("VmHWM") - before
 
 
 def _gradient(trainer: Trainer) -> torch.Tensor:
@@ -57,11 +47,7 @@ def _gradient(trainer: Trainer) -> torch.Tensor:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--group", type=int, default=8)
-    parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--budget", type=int, default=1024, help="padded tokens per pass")
+    step_arguments(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         model = import_gguf(packaged_gguf("smollm2-135m-instruct"), Path(tmp) / "models").path
@@ -89,19 +75,14 @@ def main() -> None:
                     float(difference.max()),
                     float(difference.sum() / mask.sum()),
                 )
-        for trainer in trainers.values():
-            _step(trainer, samples)  # warm-up: the optimizer's state exists from here on
+        for trainer in trainers.values():  # the first step, from the same weights
+            trainer.step(samples)
         baseline = _gradient(fp32)
         gradient_cosine = {
             name: float(torch.nn.functional.cosine_similarity(_gradient(t), baseline, dim=0))
             for name, t in trainers.items()
         }
-        runs: dict[str, list[tuple[float, int]]] = {name: [] for name in trainers}
-        for _ in range(args.rounds):
-            for name, trainer in trainers.items():
-                seconds, peak = _step(trainer, samples)
-                runs[name].append((seconds, peak))
-                print(f"{name}: {seconds:.1f} s, peak +{peak / 2**30:.2f} GiB", flush=True)
+        runs = interleaved_steps(trainers, lambda t: t.step(samples), args.rounds)
     medians = {name: statistics.median(s for s, _ in r) for name, r in runs.items()}
     table = [
         f"One step of {len(samples)} samples ({args.prompts} questions x {args.group} "

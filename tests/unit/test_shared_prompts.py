@@ -12,9 +12,11 @@ from rlnode.messages import TrainingSpec
 from rlnode.models.build import init_tiny_model
 from rlnode.models.hf import load_causal_lm
 from rlnode.training.grpo import Sample
-from rlnode.training.shared_prompts import pack, packed_tokens, prompt_groups
+from rlnode.training.losses.tinker import TokenLoss
+from rlnode.training.shared_prompts import pack, pack_sequences, packed_tokens, prompt_groups
 from rlnode.training.trainer import (
     CompletionLogprobs,
+    TokenDatum,
     Trainer,
     TrainerConfig,
     completion_logprobs,
@@ -122,3 +124,48 @@ def test_groups_stay_whole_in_micro_batches_and_split_only_past_the_budget(model
     batches = trainer._sample_batches(samples)
     assert sorted(id(s) for b in batches for s in b) == sorted(id(s) for s in samples)
     assert all(packed_tokens(b) <= 16 for b in batches)
+
+
+def _datums() -> list[TokenDatum]:
+    """`_groups`' samples as the Tinker API's datums: the whole sequence in, each next token
+    the target, weighted on the completion (and, for one, on its prompt too: a prefix
+    position with a gradient from one datum and not from the others)."""
+    datums = []
+    for n, s in enumerate(_groups()):
+        sequence = s.prompt_ids + s.completion_ids
+        weights = [0.0] * (len(s.prompt_ids) - 1) + [s.advantage] * len(s.completion_ids)
+        if n == 2:
+            weights[: len(s.prompt_ids) - 1] = [0.5] * (len(s.prompt_ids) - 1)
+        datums.append(TokenDatum(sequence[:-1], sequence[1:], {"weights": weights}))
+    return datums
+
+
+def test_datums_on_a_shared_prompt_pass_as_one_row_with_the_same_logprobs_and_gradients(
+    model_dir,
+) -> None:
+    datums = _datums()
+    packed = pack_sequences([d.input_ids for d in datums], [d.targets for d in datums], 0)
+    assert packed.input_ids.shape[0] == 2  # one row per prompt
+    assert packed.padded_tokens < len(datums) * max(d.tokens for d in datums)
+    shared, alone = (
+        Trainer(model_dir, TrainerConfig.of(TrainingSpec(learning_rate=1e-2))),
+        Trainer(model_dir, TrainerConfig.of(TrainingSpec(learning_rate=1e-2, share_prompts=False))),
+    )
+    loss = TokenLoss.of("cross_entropy")
+    a, b = shared.forward_backward(datums, loss), alone.forward_backward(datums, loss)
+    assert a.loss_sum == pytest.approx(b.loss_sum, rel=1e-5) and a.tokens == b.tokens
+    for x, y in zip(a.logprobs, b.logprobs, strict=True):
+        assert x == pytest.approx(y, abs=1e-5)
+    for x, y in zip(shared.model.parameters(), alone.model.parameters(), strict=True):
+        assert torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-6 * y.grad.abs().max())
+
+
+def test_sequences_join_a_row_only_where_that_computes_fewer_tokens() -> None:
+    template = [1, 2, 3]  # what every conversation opens with
+    group = [[*template, 7, 8, 9, 10, 11, c, c + 1] for c in (20, 30, 40)]
+    other = [*template, 50, 51, 52, 53, 54, 55]
+    packed = pack_sequences([*group, other], [[*s[1:], 0] for s in [*group, other]], 0)
+    # The group's prompt (8 tokens) once, each completion's 2; the other sequence shares
+    # only the template with it and stays a row of its own.
+    assert packed.input_ids.shape == (2, 8 + 3 * 2)
+    assert [len(r) for r in packed.reads] == [len(s) for s in [*group, other]]

@@ -125,6 +125,8 @@ def test_passes_on_a_bf16_copy_of_the_weights_train_the_fp32_masters(model_dir, 
     for a, b in zip(copied.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
     assert _copy_is_the_masters_rounded(resumed)
+    fp32_passes = Trainer(model_dir, _config(weights_in_compute_dtype=True))
+    assert fp32_passes.compute_model is fp32_passes.model  # nothing to copy in fp32
 
 
 def test_micro_batching_does_not_change_the_update(model_dir) -> None:

@@ -326,7 +326,8 @@ class TrainingSpec(StrictModel):
         True,
         description="Train samples with the same prompt (a group's) as one row: the prompt "
         "once, each completion attending to it and to itself only. The same logprobs and "
-        "gradients for fewer tokens (rlnode.training.shared_prompts); false: a row each.",
+        "gradients for fewer tokens (rlnode.training.shared_prompts); the Tinker API's "
+        "datums alike, on the prefixes they share; false: a row each.",
     )
     minibatches: PositiveInt = Field(
         1,

@@ -9,12 +9,17 @@ group of 8 completions of ~12 tokens after a ~40-token prompt is 8 x 52 = 416 to
 rows of its own, 40 + 8 x 11 = 128 packed (a completion's last token is only a target, never
 an input). Packing is by identical prompt token ids, so it needs no group ids and applies to
 any samples that happen to share a prompt.
+
+The Tinker API's datums carry no prompt boundary and a target at every position; they are
+packed on the longest prefixes they share (`pack_sequences`), each shared position scored
+once for every datum whose target there is the same.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Self
 
 import torch
 
@@ -88,11 +93,12 @@ def packed_tokens(batch: Sequence[Sample]) -> int:
 
 
 @dataclass
-class PackedBatch:
-    """A micro-batch's samples packed by prompt, as the model takes them, and where each
-    trained completion token is read: the logprob of `targets[i]` comes from the hidden
-    state at (`rows[i]`, `positions[i]`) and belongs to sample `samples[i]`, column
-    `columns[i]` of its completion."""
+class PackedRows:
+    """Rows of shared prefixes as the model takes them, and the reads of them: the hidden
+    state at (`rows[k]`, `positions[k]`) scores `targets[k]`. Each row holds its prefix once,
+    then each member's rest, attending to the prefix and to its own earlier tokens at the
+    positions it would have alone; padding attends only to itself, so no row of the mask is
+    empty (an all-masked query gives NaN in sdpa, which a backward pass would carry)."""
 
     input_ids: torch.Tensor  # [rows, width]
     allowed: torch.Tensor  # [rows, 1, width, width], bool: query i may attend to key j
@@ -100,37 +106,66 @@ class PackedBatch:
     rows: list[int]
     positions: list[int]
     targets: list[int]
+
+    @classmethod
+    def padded(cls, rows: int, width: int, pad_id: int, **reads: Any) -> Self:
+        return cls(
+            torch.full((rows, width), pad_id, dtype=torch.long),
+            torch.eye(width, dtype=torch.bool).repeat(rows, 1, 1, 1),
+            torch.zeros((rows, width), dtype=torch.long),
+            [],
+            [],
+            [],
+            **reads,
+        )
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+    def write_prefix(self, row: int, prefix: Sequence[int]) -> int:
+        """`prefix` at the start of `row`, causal; returns where the members start."""
+        n = len(prefix)
+        self.input_ids[row, :n] = torch.tensor(prefix, dtype=torch.long)
+        self.position_ids[row, :n] = torch.arange(n)
+        self.allowed[row, 0, :n, :n] = torch.ones(n, n, dtype=torch.bool).tril()
+        return n
+
+    def write_member(self, row: int, start: int, prefix: int, rest: Sequence[int]) -> int:
+        """A member's tokens after a `prefix`-token prefix, from `start` in `row`, at the
+        positions they would have alone; returns where the next member starts."""
+        end = start + len(rest)
+        if rest:
+            self.input_ids[row, start:end] = torch.tensor(rest, dtype=torch.long)
+            self.position_ids[row, start:end] = torch.arange(prefix, prefix + len(rest))
+            self.allowed[row, 0, start:end, :prefix] = True
+            self.allowed[row, 0, start:end, start:end] = torch.ones(
+                len(rest), len(rest), dtype=torch.bool
+            ).tril()
+        return end
+
+
+@dataclass
+class PackedBatch(PackedRows):
+    """A micro-batch's samples packed by prompt: read k is the trained completion token of
+    sample `samples[k]`, column `columns[k]` of its completion."""
+
     samples: list[int]
     columns: list[int]
 
 
 def pack(batch: Sequence[Sample], pad_id: int) -> PackedBatch:
     """`batch` as rows of shared prompts (every sample's trained tokens, in batch order of
-    their groups). Padding attends only to itself, so no row of the mask is empty (an
-    all-masked query gives NaN in sdpa, which a backward pass would carry)."""
+    their groups)."""
     rows = _rows_by_prompt(batch)
     width = max(_row_tokens(batch, members) for members in rows)
-    input_ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    allowed = torch.eye(width, dtype=torch.bool).repeat(len(rows), 1, 1, 1)
-    out = PackedBatch(input_ids, allowed, position_ids, [], [], [], [], [])
+    out = PackedBatch.padded(len(rows), width, pad_id, samples=[], columns=[])
     for row, members in enumerate(rows):
         prompt = batch[members[0]].prompt_ids
-        start = len(prompt)
-        input_ids[row, :start] = torch.tensor(prompt)
-        position_ids[row, :start] = torch.arange(start)
-        allowed[row, 0, :start, :start] = torch.ones(start, start, dtype=torch.bool).tril()
+        start = out.write_prefix(row, prompt)
         for i in members:
             s = batch[i]
-            inputs = _inputs(len(s.completion_ids))
-            end = start + inputs
-            if inputs:
-                input_ids[row, start:end] = torch.tensor(s.completion_ids[:-1])
-                position_ids[row, start:end] = torch.arange(len(prompt), len(prompt) + inputs)
-                allowed[row, 0, start:end, : len(prompt)] = True
-                allowed[row, 0, start:end, start:end] = torch.ones(
-                    inputs, inputs, dtype=torch.bool
-                ).tril()
+            end = out.write_member(row, start, len(prompt), s.completion_ids[:-1])
             for k, target in enumerate(s.completion_ids):
                 if s.loss_mask is not None and not s.loss_mask[k]:
                     continue
@@ -141,5 +176,97 @@ def pack(batch: Sequence[Sample], pad_id: int) -> PackedBatch:
                 out.targets.append(target)
                 out.samples.append(i)
                 out.columns.append(k)
+            start = end
+    return out
+
+
+# -- sequences that share a prefix (the Tinker API's datums) ----------------------------------
+
+
+@dataclass
+class PackedSequences(PackedRows):
+    """Sequences packed on their shared prefixes: sequence i's position j reads entry
+    `reads[i][j]` (sequences sharing a prefix share its positions' entries where their
+    targets agree)."""
+
+    reads: list[list[int]]
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _rows_by_prefix(inputs: Sequence[Sequence[int]]) -> list[tuple[int, list[int]]]:
+    """(shared prefix length, member indices) per packed row. Sequences in sorted order, so
+    those with the longest common prefixes are neighbours; one joins the open row while that
+    makes fewer tokens: a row of k sharing p tokens takes one sharing c when c x k > p x
+    (k - 1). So a group's completions join their prompt's row, and the next group, which
+    shares only the chat template's opening with it, starts its own."""
+    rows: list[tuple[int, list[int]]] = []
+    for i in sorted(range(len(inputs)), key=lambda i: tuple(inputs[i])):
+        if rows:
+            shared, members = rows[-1]
+            common = _common_prefix(inputs[members[0]][:shared], inputs[i])
+            if common > 0 and common * len(members) > shared * (len(members) - 1):
+                rows[-1] = (common, [*members, i])
+                continue
+        rows.append((len(inputs[i]), [i]))  # alone, its whole sequence is the prefix
+    return rows
+
+
+@dataclass
+class PrefixRow:
+    """Sequences (by index) to be one packed row, and that row's length."""
+
+    members: list[int]
+    tokens: int
+
+
+def prefix_rows(inputs: Sequence[Sequence[int]], token_budget: int) -> list[PrefixRow]:
+    """`inputs` grouped as `pack_sequences` packs them, a row split where it would pass
+    `token_budget` (each part keeps the prefix): what the micro-batching fills passes with,
+    so that sequences sharing a prefix land in the same pass."""
+    out = []
+    for shared, members in _rows_by_prefix(inputs):
+        row = PrefixRow([], shared)
+        for m in members:
+            rest = len(inputs[m]) - shared
+            if row.members and row.tokens + rest > token_budget:
+                out.append(row)
+                row = PrefixRow([], shared)
+            row.members.append(m)
+            row.tokens += rest
+        out.append(row)
+    return out
+
+
+def pack_sequences(
+    inputs: Sequence[Sequence[int]], targets: Sequence[Sequence[int]], pad_id: int
+) -> PackedSequences:
+    """`inputs` (each scored against its `targets`, one per position) as rows of shared
+    prefixes: each row the prefix once, then each member's rest, attending to the prefix and
+    to its own earlier tokens at the positions it would have alone, so every position sees
+    what it would see in a row of its own."""
+    rows = _rows_by_prefix(inputs)
+    width = max(shared + sum(len(inputs[m]) - shared for m in members) for shared, members in rows)
+    out = PackedSequences.padded(len(rows), width, pad_id, reads=[[] for _ in inputs])
+    entries: dict[tuple[int, int, int], int] = {}
+    for row, (shared, members) in enumerate(rows):
+        start = out.write_prefix(row, inputs[members[0]][:shared])
+        for m in members:
+            end = out.write_member(row, start, shared, inputs[m][shared:])
+            for j, target in enumerate(targets[m]):
+                key = (row, j if j < shared else start + j - shared, target)
+                if key not in entries:
+                    entries[key] = len(out.rows)
+                    out.rows.append(key[0])
+                    out.positions.append(key[1])
+                    out.targets.append(key[2])
+                out.reads[m].append(entries[key])
             start = end
     return out

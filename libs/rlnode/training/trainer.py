@@ -45,8 +45,11 @@ from rlnode.training.losses.tinker import TokenLoss
 from rlnode.training.micro_batch_sizing import MicroBatchSizer
 from rlnode.training.shared_prompts import (
     BLOCK_MASK_ATTENTION,
+    PackedSequences,
     pack,
+    pack_sequences,
     packed_tokens,
+    prefix_rows,
     prompt_groups,
     shares_prompts,
 )
@@ -334,10 +337,14 @@ def datum_logprobs(
     device: str,
     pad_id: int,
     loss: TokenLoss | None = None,
+    packed: PackedSequences | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Logprobs (temperature 1) of each datum's target at every position, right-padded into
     [rows, longest datum], and the mask of real positions. With `loss`, only the positions
-    it has a gradient at are differentiable."""
+    it has a gradient at are differentiable. With `packed` (`pack_datums`), the datums'
+    shared prefixes are computed once."""
+    if packed is not None:
+        return _packed_datum_logprobs(model, batch, device, packed, loss)
     width = max(d.tokens for d in batch)
     input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
     mask = torch.zeros((len(batch), width))
@@ -366,6 +373,53 @@ def datum_logprobs(
     out = torch.zeros((len(batch), width), device=device, dtype=flat.dtype)
     out = out.index_put((index_rows.to(device), index_positions.to(device)), flat)
     return out, mask.to(device)
+
+
+def pack_datums(
+    model: torch.nn.Module, batch: list[TokenDatum], pad_id: int
+) -> PackedSequences | None:
+    """`batch` packed on the prefixes its datums share (a group's prompt), where the model
+    takes packed rows and they compute fewer tokens than a row each; else None."""
+    if not getattr(model, "takes_block_masks", False) or len(batch) < 2:
+        return None
+    packed = pack_sequences([d.input_ids for d in batch], [d.targets for d in batch], pad_id)
+    return packed if packed.padded_tokens < len(batch) * max(d.tokens for d in batch) else None
+
+
+def _packed_datum_logprobs(
+    model: torch.nn.Module,
+    batch: list[TokenDatum],
+    device: str,
+    packed: PackedSequences,
+    loss: TokenLoss | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`datum_logprobs` from `packed`: each shared position scored once, read by every
+    datum sharing it (its gradient the sum of theirs, as the rows' copies would get)."""
+    graded: list[bool] | None = None
+    if loss is not None:
+        graded = [False] * len(packed.rows)
+        for d, entries in zip(batch, packed.reads, strict=True):
+            differentiated_at = loss.differentiated(d.inputs, d.tokens)
+            for entry, differentiated in zip(entries, differentiated_at, strict=True):
+                graded[entry] = graded[entry] or bool(differentiated)
+    flat = model(
+        packed.input_ids.to(device),
+        packed.allowed.to(device),
+        torch.tensor(packed.rows, device=device),
+        torch.tensor(packed.positions, device=device),
+        1.0,
+        torch.tensor(packed.targets, device=device),
+        torch.tensor(graded, device=device) if graded is not None else None,
+        packed.position_ids.to(device),
+    )
+    width = max(d.tokens for d in batch)
+    index = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros((len(batch), width))
+    for row, entries in enumerate(packed.reads):
+        index[row, : len(entries)] = torch.tensor(entries, dtype=torch.long)
+        mask[row, : len(entries)] = 1.0
+    mask = mask.to(device)
+    return torch.where(mask.bool(), flat[index.to(device)], 0.0), mask
 
 
 def _tied_output_name(model: Any) -> str | None:
@@ -509,7 +563,8 @@ class Trainer:
         # dtype (see `_compute_copy`), whose gradients are carried into the fp32 masters.
         self.compute_model, self.compute_policy = self.model, self.policy
         self._copied: list[tuple[torch.nn.Parameter, torch.nn.Parameter]] = []
-        if config.weights_in_compute_dtype and self.world == 1:
+        lower = self._compute_dtype() != torch.float32
+        if config.weights_in_compute_dtype and lower and self.world == 1:
             self.compute_model = _compute_copy(self.model, self._compute_dtype())
             self.compute_policy = CompletionLogprobs(self.compute_model, config.logit_chunk_tokens)
             self._copied = list(
@@ -619,20 +674,19 @@ class Trainer:
         """`samples` in micro-batches within the budget (exactly `count` of them, when
         given: see `equal_micro_batches`); with shared prompts, a group's samples together,
         each micro-batch's packed rows within the budget."""
-        budget = self.micro_batches.budget
         if not self.share_prompts:
-            return (
-                micro_batches(samples, budget)
-                if count is None
-                else equal_micro_batches(samples, budget, count)
-            )
-        rows = prompt_groups(samples, budget)
-        batches = (
-            micro_batches(rows, budget)
-            if count is None
-            else equal_micro_batches(rows, budget, count)
-        )
-        return [[s for group in batch for s in group.samples] for batch in batches]
+            return self._filled(samples, count)
+        rows = prompt_groups(samples, self.micro_batches.budget)
+        return [
+            [s for group in batch for s in group.samples] for batch in self._filled(rows, count)
+        ]
+
+    def _filled(self, rows: list[Row], count: int | None) -> list[list[Row]]:
+        """`rows` in micro-batches within the budget (exactly `count` of them, when given)."""
+        budget = self.micro_batches.budget
+        if count is None:
+            return micro_batches(rows, budget)
+        return equal_micro_batches(rows, budget, count)
 
     def _padded_tokens(self, batch: list[Sample]) -> int:
         """The tokens a micro-batch's pass computes, padding included."""
@@ -745,7 +799,9 @@ class Trainer:
     ) -> TokenPass:
         """The loss of `datums` (every rank passes the same list; each computes its share),
         summed, and with `backward` its gradients added to those already accumulated: the
-        next `optim_step` applies them all. Returns every datum's logprobs of its targets."""
+        next `optim_step` applies them all. Returns every datum's logprobs of its targets.
+        With shared prompts, datums that share a prefix (a group's prompt) are packed on it:
+        the same logprobs and gradients for fewer tokens."""
         if not datums:
             raise ValueError("a forward pass needs at least one datum")
         logprobs: dict[int, list[float]] = {}
@@ -782,23 +838,25 @@ class Trainer:
         Returns this rank's loss sum."""
         order = chosen[self.rank :: self.world]
         mine = [datums[i] for i in order]
-        budget = self.micro_batches.budget
-        batches = micro_batches(mine, budget)
+        batches = self._datum_batches(mine)
         if self.world > 1:  # every rank runs as many passes (each gathers the shards)
             (most,) = _all_reduce([float(len(batches))], self.device, ("max",))
-            batches = equal_micro_batches(mine, budget, int(most))
+            batches = self._datum_batches(mine, int(most))
         loss_sum = 0.0
         position = {id(d): i for i, d in zip(order, mine, strict=True)}
         for batch in batches:
             weight = 1.0
             if not batch:  # this rank's share ran out: the same passes, contributing nothing
                 batch, weight = mine[:1] or [datums[chosen[0]]], 0.0
-            padded = len(batch) * max(d.tokens for d in batch)
+            packed = (
+                pack_datums(self.compute_policy, batch, self.pad_id) if self.share_prompts else None
+            )
+            padded = packed.padded_tokens if packed else len(batch) * max(d.tokens for d in batch)
             self._recompute_activations(padded)
             measured = self.micro_batches.measure(padded) if backward else contextlib.nullcontext()
             with torch.set_grad_enabled(backward), self._pass_precision(), measured:
                 lp, mask = datum_logprobs(
-                    self.compute_policy, batch, self.device, self.pad_id, loss
+                    self.compute_policy, batch, self.device, self.pad_id, loss, packed
                 )
                 width = lp.shape[1]
                 inputs = {
@@ -815,6 +873,17 @@ class Trainer:
                 for row, d in enumerate(batch):
                     logprobs[position[id(d)]] = lp[row, : d.tokens].detach().float().tolist()
         return loss_sum
+
+    def _datum_batches(
+        self, datums: list[TokenDatum], count: int | None = None
+    ) -> list[list[TokenDatum]]:
+        """`datums` in micro-batches within the budget (exactly `count`, when given); with
+        shared prompts, datums sharing a prefix together, as packed rows within it."""
+        if not self.share_prompts:
+            return self._filled(datums, count)
+        rows = prefix_rows([d.input_ids for d in datums], self.micro_batches.budget)
+        batches = self._filled(rows, count)
+        return [[datums[i] for row in batch for i in row.members] for batch in batches]
 
     def _recompute_activations(self, tokens: int) -> None:
         if not self.config.activation_checkpointing:
