@@ -13,7 +13,13 @@ from rlnode.models.build import init_tiny_model
 from rlnode.models.hf import load_causal_lm
 from rlnode.training.grpo import Sample
 from rlnode.training.losses.tinker import TokenLoss
-from rlnode.training.shared_prompts import pack, pack_sequences, packed_tokens, prompt_groups
+from rlnode.training.shared_prompts import (
+    pack,
+    pack_sequences,
+    packed_tokens,
+    prefix_rows,
+    prompt_groups,
+)
 from rlnode.training.trainer import (
     CompletionLogprobs,
     TokenDatum,
@@ -160,12 +166,16 @@ def test_datums_on_a_shared_prompt_pass_as_one_row_with_the_same_logprobs_and_gr
         assert torch.allclose(x.grad, y.grad, rtol=1e-4, atol=1e-6 * y.grad.abs().max())
 
 
-def test_sequences_join_a_row_only_where_that_computes_fewer_tokens() -> None:
+def test_sequences_share_a_row_only_where_that_computes_fewer_tokens() -> None:
     template = [1, 2, 3]  # what every conversation opens with
-    group = [[*template, 7, 8, 9, 10, 11, c, c + 1] for c in (20, 30, 40)]
-    other = [*template, 50, 51, 52, 53, 54, 55]
-    packed = pack_sequences([*group, other], [[*s[1:], 0] for s in [*group, other]], 0)
-    # The group's prompt (8 tokens) once, each completion's 2; the other sequence shares
-    # only the template with it and stays a row of its own.
-    assert packed.input_ids.shape == (2, 8 + 3 * 2)
-    assert [len(r) for r in packed.reads] == [len(s) for s in [*group, other]]
+    groups = [[[*template, p, 8, 9, 10, 11, c, c + 1] for c in (20, 30, 40)] for p in (6, 7)]
+    other = [*template, 5, 51, 52, 53, 54, 55]  # sorted first, sharing only the template
+    sequences = [*groups[0], other, *groups[1]]
+    packed = pack_sequences(sequences, [[*s[1:], 0] for s in sequences], 0)
+    # Each group's prompt (8 tokens) once and each completion's 2; the other sequence a row
+    # of its own: joined on the template, every row would repeat its prompt.
+    assert packed.input_ids.shape == (3, 8 + 3 * 2)
+    assert [len(r) for r in packed.reads] == [len(s) for s in sequences]
+    rows = prefix_rows(sequences, token_budget=10)  # a group's row (14) split at the budget
+    assert sorted(m for r in rows for m in r.members) == list(range(len(sequences)))
+    assert all(r.tokens <= 10 or len(r.members) == 1 for r in rows)

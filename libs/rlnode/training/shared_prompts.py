@@ -17,6 +17,8 @@ once for every datum whose target there is the same.
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Self
@@ -201,22 +203,40 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
-def _rows_by_prefix(inputs: Sequence[Sequence[int]]) -> list[tuple[int, list[int]]]:
-    """(shared prefix length, member indices) per packed row. Sequences in sorted order, so
-    those with the longest common prefixes are neighbours; one joins the open row while that
-    makes fewer tokens: a row of k sharing p tokens takes one sharing c when c x k > p x
-    (k - 1). So a group's completions join their prompt's row, and the next group, which
-    shares only the chat template's opening with it, starts its own."""
+def _rows_by_prefix(
+    inputs: Sequence[Sequence[int]], token_budget: int | None = None
+) -> list[tuple[int, list[int]]]:
+    """(shared prefix length, member indices) per packed row, the rows computing the fewest
+    tokens in all. Sorted, sequences with the longest common prefixes are neighbours, and a
+    row is a run of them (its prefix the least of its neighbours' common prefixes): the
+    best split into runs is found exactly (each run: the prefix once, then each member's
+    rest; no run past `token_budget` unless it is one sequence). A greedy merge would join
+    two groups on the chat template's opening and then repeat each group's prompt."""
+    order = sorted(range(len(inputs)), key=lambda i: tuple(inputs[i]))
+    lengths = [len(inputs[i]) for i in order]
+    adjacent = [_common_prefix(inputs[a], inputs[b]) for a, b in itertools.pairwise(order)]
+    fewest = [0.0] + [math.inf] * len(order)  # tokens of the best rows of the first j
+    run_from = [0] * (len(order) + 1)
+    for i in range(len(order)):
+        total, shared = 0, lengths[i]
+        for j in range(i + 1, len(order) + 1):  # the run order[i:j]
+            total += lengths[j - 1]
+            if j - i > 1:
+                shared = min(shared, adjacent[j - 2])
+            tokens = total - (j - i - 1) * shared
+            if token_budget is not None and j - i > 1 and tokens > token_budget:
+                break  # a longer run only adds tokens
+            if fewest[i] + tokens < fewest[j]:
+                fewest[j], run_from[j] = fewest[i] + tokens, i
     rows: list[tuple[int, list[int]]] = []
-    for i in sorted(range(len(inputs)), key=lambda i: tuple(inputs[i])):
-        if rows:
-            shared, members = rows[-1]
-            common = _common_prefix(inputs[members[0]][:shared], inputs[i])
-            if common > 0 and common * len(members) > shared * (len(members) - 1):
-                rows[-1] = (common, [*members, i])
-                continue
-        rows.append((len(inputs[i]), [i]))  # alone, its whole sequence is the prefix
-    return rows
+    j = len(order)
+    while j > 0:
+        i = run_from[j]
+        members = order[i:j]
+        shared = min([lengths[i], *adjacent[i : j - 1]])
+        rows.append((shared, members))
+        j = i
+    return rows[::-1]
 
 
 @dataclass
@@ -228,21 +248,13 @@ class PrefixRow:
 
 
 def prefix_rows(inputs: Sequence[Sequence[int]], token_budget: int) -> list[PrefixRow]:
-    """`inputs` grouped as `pack_sequences` packs them, a row split where it would pass
-    `token_budget` (each part keeps the prefix): what the micro-batching fills passes with,
-    so that sequences sharing a prefix land in the same pass."""
-    out = []
-    for shared, members in _rows_by_prefix(inputs):
-        row = PrefixRow([], shared)
-        for m in members:
-            rest = len(inputs[m]) - shared
-            if row.members and row.tokens + rest > token_budget:
-                out.append(row)
-                row = PrefixRow([], shared)
-            row.members.append(m)
-            row.tokens += rest
-        out.append(row)
-    return out
+    """`inputs` grouped as `pack_sequences` packs them, each row within `token_budget` (or
+    one sequence): what the micro-batching fills passes with, so that sequences sharing a
+    prefix land in the same pass."""
+    return [
+        PrefixRow(members, shared + sum(len(inputs[m]) - shared for m in members))
+        for shared, members in _rows_by_prefix(inputs, token_budget)
+    ]
 
 
 def pack_sequences(
