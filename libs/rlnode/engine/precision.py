@@ -3,8 +3,8 @@
 
 Measured on such a CPU: vLLM generates B9's step of 64 completions ~3x faster in bf16 than
 in fp32 (2.5-2.8 s against 7.9-8.1 s); the trainer's passes on a bf16 copy of its weights
-beside the fp32 masters (`TrainingSpec.weights_in_compute_dtype`) take 0.47x fp32's step and
-0.72x bf16 autocast's (B16, bench/results/trainer_precision.md; autocast alone did not pay
+beside the fp32 masters (`TrainingSpec.weights_in_compute_dtype`) take 0.55x fp32's step and
+0.81x bf16 autocast's (B16, bench/results/trainer_precision.md; autocast alone did not pay
 inside the node: docs/decisions.md). With both, the whole job reaches B9's held-out target
 in 0.32x TRL's time (0.43x with an fp32 trainer, 0.52x with fp32 generation too), to a final
 accuracy above TRL's (bench/results/real_model.md)."""

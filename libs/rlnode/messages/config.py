@@ -313,8 +313,8 @@ class TrainingSpec(StrictModel):
         description="With compute_dtype below float32 on one rank: the passes run on a "
         "copy of the weights in that dtype (rounded from the float32 masters after each "
         "optimizer step; each pass's gradients added to the masters' in float32) instead of "
-        "autocast's cast of every weight at every use. On a CPU with AMX: 0.47x fp32's step, "
-        "0.72x autocast's (bench/results/trainer_precision.md). Several ranks already compute "
+        "autocast's cast of every weight at every use. On a CPU with AMX: 0.55x fp32's step, "
+        "0.81x autocast's (bench/results/trainer_precision.md). Several ranks already compute "
         "on gathered bf16 copies (FSDP's mixed precision).",
     )
     activation_checkpointing: bool = Field(
