@@ -14,6 +14,7 @@ from rlnode.models.hf import load_causal_lm
 from rlnode.training.grpo import Sample
 from rlnode.training.losses.tinker import TokenLoss
 from rlnode.training.shared_prompts import (
+    LONGEST_RUN,
     pack,
     pack_sequences,
     packed_tokens,
@@ -179,3 +180,10 @@ def test_sequences_share_a_row_only_where_that_computes_fewer_tokens() -> None:
     rows = prefix_rows(sequences, token_budget=10)  # a group's row (14) split at the budget
     assert sorted(m for r in rows for m in r.members) == list(range(len(sequences)))
     assert all(r.tokens <= 10 or len(r.members) == 1 for r in rows)
+
+
+def test_identical_sequences_pack_in_rows_of_at_most_the_longest_run() -> None:
+    sequences = [[1, 2, 3, 4]] * (2 * LONGEST_RUN + 1)
+    packed = pack_sequences(sequences, [[2, 3, 4, 5]] * len(sequences), 0)
+    assert packed.input_ids.shape == (3, 4)  # each row the sequence once
+    assert len(packed.rows) == 3 * 4 and len({tuple(r) for r in packed.reads}) == 3

@@ -203,6 +203,11 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return n
 
 
+# Sequences one packed row may hold: bounds the split's search (identical sequences add no
+# tokens to a run, so nothing else would end it) at a row of ~16 groups of 16.
+LONGEST_RUN = 256
+
+
 def _rows_by_prefix(
     inputs: Sequence[Sequence[int]], token_budget: int | None = None
 ) -> list[tuple[int, list[int]]]:
@@ -226,6 +231,8 @@ def _rows_by_prefix(
             tokens = total - (j - i - 1) * shared
             if token_budget is not None and j - i > 1 and tokens > token_budget:
                 break  # a longer run only adds tokens
+            if j - i > LONGEST_RUN:
+                break
             if fewest[i] + tokens < fewest[j]:
                 fewest[j], run_from[j] = fewest[i] + tokens, i
     rows: list[tuple[int, list[int]]] = []
