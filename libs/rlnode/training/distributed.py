@@ -18,7 +18,6 @@ import contextlib
 import datetime
 import logging
 import os
-import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -42,37 +41,21 @@ log = logging.getLogger("rlnode.training.distributed")
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class _Rendezvous:
-    """How this host's ranks meet: rank 0 hosting a store on a loopback port (alone), or
-    through the rank hosts' store under a job's prefix."""
+    """How the ranks meet: through a store (rank 0's on a loopback port when the ranks are
+    this host's alone, the rank hosts' otherwise) under a job's prefix."""
 
     backend: str
     world: int
     timeout: datetime.timedelta
-    port: int | None = None
-    store_address: tuple[str, int] | None = None
+    store_address: tuple[str, int]
     prefix: str = ""
 
 
 def _init(rank: int, device: str, rendezvous: _Rendezvous, store: dist.Store | None) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
-    if rendezvous.store_address is None:
-        dist.init_process_group(
-            rendezvous.backend,
-            init_method=f"tcp://127.0.0.1:{rendezvous.port}",
-            rank=rank,
-            world_size=rendezvous.world,
-            timeout=rendezvous.timeout,
-        )
-        return
     if store is None:  # a spawned rank: a client of the learner's store
         address, port = rendezvous.store_address
         store = dist.TCPStore(address, port, is_master=False, timeout=rendezvous.timeout)
@@ -148,6 +131,7 @@ class DataParallelTrainer:
         self.devices = list(devices)
         self.remote: RemoteRanks | None = None
         self._workers: list[BaseProcess] = []
+        self._store: dist.TCPStore | None = None  # rank 0's, when the ranks are this host's
         self._broken = False
         self.world = len(devices)
         try:
@@ -178,9 +162,18 @@ class DataParallelTrainer:
                 store_address=(rank_hosts.address, rank_hosts.port),
                 prefix=self.remote.prefix,
             )
-        else:
+        elif self.world > 1:
+            # Rank 0's store takes a port the OS gives it, bound before any rank starts: a
+            # port found free and bound later can be taken in between (CI saw a rendezvous
+            # hang with xdist workers starting trainers at once).
+            self._store = dist.TCPStore(
+                "127.0.0.1", 0, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
+            )
             rendezvous = _Rendezvous(
-                backend_for(self.devices), self.world, COLLECTIVE_TIMEOUT, port=_free_port()
+                backend_for(self.devices),
+                self.world,
+                COLLECTIVE_TIMEOUT,
+                store_address=("127.0.0.1", self._store.port),
             )
         if self.world > 1:
             context = mp.get_context("spawn")
@@ -202,7 +195,9 @@ class DataParallelTrainer:
                 process.start()
                 self._workers.append(process)
             with self._collective():
-                _init(0, self.devices[0], rendezvous, rank_hosts.store if rank_hosts else None)
+                _init(
+                    0, self.devices[0], rendezvous, rank_hosts.store if rank_hosts else self._store
+                )
         self.trainer = Trainer(
             model_path,
             config,
