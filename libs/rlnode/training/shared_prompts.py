@@ -259,9 +259,14 @@ def prefix_rows(inputs: Sequence[Sequence[int]], token_budget: int) -> list[Pref
     one sequence): what the micro-batching fills passes with, so that sequences sharing a
     prefix land in the same pass."""
     return [
-        PrefixRow(members, shared + sum(len(inputs[m]) - shared for m in members))
+        PrefixRow(members, _row_length(inputs, shared, members))
         for shared, members in _rows_by_prefix(inputs, token_budget)
     ]
+
+
+def _row_length(inputs: Sequence[Sequence[int]], shared: int, members: list[int]) -> int:
+    """A packed row's tokens: the shared prefix once, then each member's rest."""
+    return shared + sum(len(inputs[m]) - shared for m in members)
 
 
 def pack_sequences(
@@ -272,7 +277,7 @@ def pack_sequences(
     to its own earlier tokens at the positions it would have alone, so every position sees
     what it would see in a row of its own."""
     rows = _rows_by_prefix(inputs)
-    width = max(shared + sum(len(inputs[m]) - shared for m in members) for shared, members in rows)
+    width = max(_row_length(inputs, shared, members) for shared, members in rows)
     out = PackedSequences.padded(len(rows), width, pad_id, reads=[[] for _ in inputs])
     entries: dict[tuple[int, int, int], int] = {}
     for row, (shared, members) in enumerate(rows):

@@ -45,6 +45,7 @@ from rlnode.training.losses.tinker import TokenLoss
 from rlnode.training.micro_batch_sizing import MicroBatchSizer
 from rlnode.training.shared_prompts import (
     BLOCK_MASK_ATTENTION,
+    PackedRows,
     PackedSequences,
     pack,
     pack_sequences,
@@ -300,16 +301,7 @@ def _shared_prompt_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`completion_logprobs` of `batch` packed by prompt: the same values, fewer tokens."""
     packed = pack(batch, pad_id)
-    flat = model(
-        packed.input_ids.to(device),
-        packed.allowed.to(device),
-        torch.tensor(packed.rows, device=device),
-        torch.tensor(packed.positions, device=device),
-        temperature,
-        torch.tensor(packed.targets, device=device),
-        None,
-        packed.position_ids.to(device),
-    )
+    flat = _packed_pass(model, packed, device, temperature)
     longest = max(len(s.completion_ids) for s in batch)
     out = torch.zeros((len(batch), longest), device=device, dtype=flat.dtype)
     where = (
@@ -317,6 +309,27 @@ def _shared_prompt_logprobs(
         torch.tensor(packed.columns, device=device),
     )
     return out.index_put(where, flat), _trained_mask(batch, longest, device)
+
+
+def _packed_pass(
+    model: torch.nn.Module,
+    packed: PackedRows,
+    device: str,
+    temperature: float,
+    graded: list[bool] | None = None,
+) -> torch.Tensor:
+    """`model`'s logprob of each read of `packed` (samples' or datums' rows), in order;
+    where `graded` is False, without a gradient."""
+    return model(
+        packed.input_ids.to(device),
+        packed.allowed.to(device),
+        torch.tensor(packed.rows, device=device),
+        torch.tensor(packed.positions, device=device),
+        temperature,
+        torch.tensor(packed.targets, device=device),
+        torch.tensor(graded, device=device) if graded is not None else None,
+        packed.position_ids.to(device),
+    )
 
 
 def _trained_mask(batch: list[Sample], longest: int, device: str) -> torch.Tensor:
@@ -402,16 +415,7 @@ def _packed_datum_logprobs(
             differentiated_at = loss.differentiated(d.inputs, d.tokens)
             for entry, differentiated in zip(entries, differentiated_at, strict=True):
                 graded[entry] = graded[entry] or bool(differentiated)
-    flat = model(
-        packed.input_ids.to(device),
-        packed.allowed.to(device),
-        torch.tensor(packed.rows, device=device),
-        torch.tensor(packed.positions, device=device),
-        1.0,
-        torch.tensor(packed.targets, device=device),
-        torch.tensor(graded, device=device) if graded is not None else None,
-        packed.position_ids.to(device),
-    )
+    flat = _packed_pass(model, packed, device, 1.0, graded)
     width = max(d.tokens for d in batch)
     index = torch.zeros((len(batch), width), dtype=torch.long)
     mask = torch.zeros((len(batch), width))
