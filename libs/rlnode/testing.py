@@ -1,9 +1,12 @@
 """Real infrastructure for tests (docs/architecture.md §7): a broker and databases.
 
 Broker, in order: the one named by KAFKA_BOOTSTRAP_SERVERS; else a testcontainers Kafka
-container where a Docker engine answers; else the embedded Tansu subprocess.
-RLNODE_TEST_BROKER=tansu|docker forces one of the last two. Tests must not depend on
-which one they got: the broker may be shared, so they use unique job ids and groups.
+container where a Docker engine answers; else a local Apache Kafka subprocess (one per test
+session and worker). RLNODE_TEST_BROKER=local|docker forces one of the last two. Each is an
+open broker (PLAINTEXT, no ACLs), as a Kafka of a user's own may be: what the bus and the
+services do is the same on any Kafka. A node's own broker (users, ACLs, TLS) is the one
+every LocalNode test runs on. Tests must not depend on which one they got: the broker may be
+shared, so they use unique job ids and groups.
 """
 
 from __future__ import annotations
@@ -25,8 +28,8 @@ from rlnode.bus import ensure_topics
 from rlnode.bus.localbroker import LocalBroker
 from rlnode.bus.settings import KafkaSettings
 
-BrokerKind = Literal["external", "testcontainers", "tansu"]
-KAFKA_IMAGE = "apache/kafka:3.9.1"
+BrokerKind = Literal["external", "testcontainers", "local"]
+KAFKA_IMAGE = "apache/kafka:4.4.0"  # the version deploy/kafka/pom.xml pins
 
 
 @dataclass
@@ -56,14 +59,17 @@ def provide_broker() -> Iterator[BrokerHandle]:
     if explicit and not forced:
         yield BrokerHandle(explicit, "external")
         return
-    if forced == "docker" or (forced != "tansu" and docker_engine_answers()):
+    if forced == "docker" or (forced != "local" and docker_engine_answers()):
         from testcontainers.kafka import KafkaContainer
 
         with KafkaContainer(KAFKA_IMAGE).with_kraft() as container:
             yield BrokerHandle(container.get_bootstrap_server(), "testcontainers")
         return
-    with LocalBroker() as local:
-        yield BrokerHandle(local.bootstrap_servers, "tansu", local)
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="rlnode-test-kafka-") as directory:
+        with LocalBroker(Path(directory)) as local:
+            yield BrokerHandle(local.bootstrap_servers, "local", local)
 
 
 @contextlib.contextmanager

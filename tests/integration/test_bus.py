@@ -361,16 +361,17 @@ async def test_only_the_settled_prefix_is_committed(make_bus) -> None:
 
 
 async def test_a_record_is_committed_past_only_once_its_dead_letter_is_acknowledged(
-    caplog,
+    caplog, tmp_path
 ) -> None:
     """On a broker of its own that the test freezes (SIGSTOP) while the dead letter is being
     published: the record stays unsettled while the publish fails, and is committed past
     only once the broker has the dead letter."""
     caplog.set_level(logging.ERROR, logger="rlnode.bus")
-    with LocalBroker() as broker:
+    with LocalBroker(tmp_path / "kafka") as broker:
         settings = KafkaSettings(
             bootstrap_servers=broker.bootstrap_servers,
             request_timeout_ms=1000,
+            delivery_timeout_ms=1000,
             session_timeout_ms=6000,
             heartbeat_interval_ms=2000,
         )
@@ -384,8 +385,8 @@ async def test_a_record_is_committed_past_only_once_its_dead_letter_is_acknowled
             await go_on.wait()
             raise RuntimeError("handler bug")
 
-        # The producer gives up on the frozen broker after 1 s; the consumer's group join
-        # waits out the broker's first-join delay (half the session timeout) on its own.
+        # A publish gives up on the frozen broker after 1 s; the consumer's requests
+        # (its group join among them) have longer.
         subscription = bus.subscribe(
             topics.JOB_EVENTS, handler, group_id=group, request_timeout_ms=20_000
         )

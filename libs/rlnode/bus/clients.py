@@ -9,7 +9,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from aiokafka import AIOKafkaClient, AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.errors import KafkaConnectionError, KafkaError
 from aiokafka.helpers import create_ssl_context
@@ -32,8 +32,8 @@ def max_uncompressed_bytes(settings: KafkaSettings) -> int:
 
 
 def connection(settings: KafkaSettings) -> dict[str, Any]:
-    """Where and how every client connects: the bootstrap servers, and TLS with the client's
-    certificate when the node's broker sits behind its TLS front (rlnode.bus.front)."""
+    """Where and how every client connects: the bootstrap servers, TLS (with a client
+    certificate, for SSL), and the SASL user (rlnode.bus.principals)."""
     options: dict[str, Any] = {"bootstrap_servers": settings.bootstrap_servers}
     if settings.security_protocol != "PLAINTEXT":
         options["security_protocol"] = settings.security_protocol
@@ -63,36 +63,55 @@ def ssl_context(settings: KafkaSettings) -> ssl.SSLContext:
         ) from e
 
 
-def rebootstrapping(client: AIOKafkaClient) -> AIOKafkaClient:
-    """Let a long-lived aiokafka client find the cluster again through its bootstrap list
-    when every broker it knows is gone (Kafka's KIP-899 "rebootstrap").
+async def refused_login(settings: KafkaSettings) -> str | None:
+    """Why the first bootstrap broker refused this client's SASL login, if it did; else None.
 
-    aiokafka forgets the bootstrap servers once metadata has named the brokers, and each
-    embedded Tansu broker names only itself (one node id, its own address), so a client of
-    two brokers sharing one durable store would keep asking the dead one. Wrapped here
-    (aiokafka's private `_metadata_update`: the two-broker test in
-    tests/integration/test_localbroker.py fails without it): when no known broker answers
-    a metadata request, the bootstrap servers are asked in turn, and the first that
-    answers is the cluster again."""
-    if len(client.hosts) < 2:
-        return client
-    update = client._metadata_update
+    aiokafka reports a refused login as "unable to bootstrap", like a broker that is down;
+    one connection of its own to the first broker gets the broker's own reason."""
+    if settings.security_protocol != "SASL_SSL":
+        return None
+    from aiokafka.conn import create_conn
+    from aiokafka.errors import SaslAuthenticationFailed, UnsupportedSaslMechanismError
 
-    async def _metadata_update(cluster_metadata: Any, topics: Any) -> bool:
-        if await update(cluster_metadata, topics):
-            return True
-        try:
-            await client.bootstrap()  # the cluster's metadata from the first that answers
-        except KafkaConnectionError:
-            return False
-        return await update(cluster_metadata, topics)
+    host, _, port = settings.bootstrap_servers.split(",")[0].strip().rpartition(":")
+    options = connection(settings)
+    try:
+        conn = await asyncio.wait_for(
+            create_conn(
+                host.strip("[]"),
+                int(port),
+                security_protocol=options["security_protocol"],
+                ssl_context=options["ssl_context"],
+                sasl_mechanism=options["sasl_mechanism"],
+                sasl_plain_username=options["sasl_plain_username"],
+                sasl_plain_password=options["sasl_plain_password"],
+            ),
+            timeout=10,
+        )
+    except (SaslAuthenticationFailed, UnsupportedSaslMechanismError) as e:
+        return str(e)
+    except Exception:  # not a refusal: down, unreachable, TLS (said by the caller's error)
+        return None
+    conn.close()
+    return None
 
-    client._metadata_update = _metadata_update
-    return client
+
+async def connect_error(settings: KafkaSettings, error: BaseException) -> BusError:
+    """The error to raise when a client could not start: a refused login names the user;
+    anything else is the broker being out of reach."""
+    refusal = await refused_login(settings)
+    if refusal is not None:
+        return BusError(
+            f"Kafka at {settings.bootstrap_servers} refused the login of Kafka user "
+            f"{settings.sasl_username!r} ({settings.sasl_mechanism}): {refusal}. Check "
+            "KAFKA_SASL_USERNAME and KAFKA_SASL_PASSWORD (`rlnode kafka-credentials` prints "
+            "an org's; a node's services get theirs from `rlnode up`)"
+        )
+    return unreachable(settings.bootstrap_servers, error)
 
 
 def producer(settings: KafkaSettings, service: str) -> AIOKafkaProducer:
-    made = AIOKafkaProducer(
+    return AIOKafkaProducer(
         **connection(settings),
         client_id=client_id(settings, service),
         compression_type=None if settings.compression == "none" else settings.compression,
@@ -100,10 +119,10 @@ def producer(settings: KafkaSettings, service: str) -> AIOKafkaProducer:
         max_request_size=max_uncompressed_bytes(settings),
         linger_ms=settings.linger_ms,
         acks="all",
+        # Retries after a broker fails over write nothing twice (with acks=all above).
+        enable_idempotence=True,
         request_timeout_ms=settings.request_timeout_ms,
     )
-    rebootstrapping(made.client)
-    return made
 
 
 def consumer(
@@ -130,9 +149,7 @@ def consumer(
         "heartbeat_interval_ms": settings.heartbeat_interval_ms,
         "request_timeout_ms": settings.request_timeout_ms,
     }
-    made = AIOKafkaConsumer(**(defaults | options))  # `options` win (e.g. max_poll_interval_ms)
-    rebootstrapping(made._client)
-    return made
+    return AIOKafkaConsumer(**(defaults | options))  # `options` win (e.g. max_poll_interval_ms)
 
 
 def admin(settings: KafkaSettings) -> AIOKafkaAdminClient:
@@ -148,7 +165,7 @@ async def _started(client: AIOKafkaAdminClient, settings: KafkaSettings) -> None
         await client.start()
     except (KafkaConnectionError, OSError) as e:
         await client.close()
-        raise unreachable(settings.bootstrap_servers, e) from e
+        raise await connect_error(settings, e) from e
 
 
 async def ensure_topics(

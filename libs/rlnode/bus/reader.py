@@ -73,7 +73,7 @@ class TopicReader:
             await consumer.start()
         except (KafkaConnectionError, OSError) as e:
             await consumer.stop()
-            raise unreachable(self.settings.bootstrap_servers, e) from e
+            raise await clients.connect_error(self.settings, e) from e
         self._consumer = consumer
         consumer.assign(partitions)
         if self.since is not None:

@@ -26,9 +26,9 @@ class KafkaSettings(BaseSettings):
     )
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_SSL"] = Field(
         "PLAINTEXT",
-        description="SSL: TLS with a client certificate (a node whose broker has a TLS front: "
-        "every host boundary; `rlnode kafka-cert` issues one for your own client); SASL_SSL: "
-        "TLS and a user and password (production compose's Kafka, with ACLs per user).",
+        description="SASL_SSL: TLS and a Kafka user and password (a node's brokers: "
+        "`rlnode up` gives each service its user; `rlnode kafka-credentials` an org's); SSL: "
+        "TLS with a client certificate; PLAINTEXT: neither (a broker of your own only).",
     )
     ssl_cafile: Path | None = Field(
         None, description="The CA that signed the broker's certificate (PEM); SSL, SASL_SSL."
@@ -36,7 +36,7 @@ class KafkaSettings(BaseSettings):
     ssl_certfile: Path | None = Field(None, description="This client's certificate (PEM).")
     ssl_keyfile: Path | None = Field(None, description="This client's private key (PEM).")
     sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = Field(
-        "PLAIN", description="How a SASL_SSL client proves its user (over TLS)."
+        "SCRAM-SHA-512", description="How a SASL_SSL client proves its user (over TLS)."
     )
     sasl_username: str | None = Field(None, description="The Kafka user, with SASL_SSL.")
     sasl_password: SecretStr | None = Field(None, description="Its password, with SASL_SSL.")
@@ -56,22 +56,27 @@ class KafkaSettings(BaseSettings):
     request_timeout_ms: int = Field(
         40_000, ge=1000, description="How long a request to the broker may take."
     )
-    # A consumer group's first join waits for stragglers (Tansu: half the session timeout,
-    # Kafka: group.initial.rebalance.delay.ms); tests shorten it, production keeps it.
+    # The idempotent producer retries a record until the broker has it (no duplicates from
+    # its retries); a publish gives up waiting after this, as Kafka's delivery.timeout.ms.
+    delivery_timeout_ms: int = Field(
+        120_000,
+        ge=1000,
+        description="How long a publish waits for the brokers' acknowledgement before it "
+        "fails (the record may still arrive: consumers dedupe by record id).",
+    )
+    # How long a group waits for a member that stopped answering before it hands the
+    # member's partitions to the others.
     session_timeout_ms: int = Field(
         10_000, ge=1000, description="A group member silent this long is dropped."
     )
-    # How long a fetch may wait for data. Kafka answers as soon as a record arrives; Tansu
-    # holds the fetch (measured: ~125 ms per hop at aiokafka's 500 ms, ~25 at 100, ~10 at
-    # 20), and a job step crosses the broker three times. Lower costs idle polling: a whole
-    # idle node used 5% of a core at 500 ms, 22% at 50, 45% at 20, and a max_async=1 job on
-    # 2 cores was no faster at 50 (bench/overhead.py): aiokafka's 500 stays the default.
+    # How long a fetch may wait for data: Kafka answers as soon as a record arrives, so this
+    # is what an idle consumer costs (one fetch per partition leader per wait), not latency.
     fetch_max_wait_ms: int = Field(
         500,
         ge=1,
         le=10_000,
-        description="Longest a fetch waits for data (Kafka answers early anyway; the "
-        "embedded broker waits it out, so it is the latency of every hop).",
+        description="Longest a fetch waits for data (Kafka answers as soon as a record "
+        "arrives).",
     )
     # The rollout path (work to generators, weights to generators, trajectories to the
     # learner) is on every step's critical path: with the control plane at ~2 CPU ms per

@@ -145,7 +145,7 @@ class Subscription(Generic[M]):
                 await consumer.start()
             except (KafkaConnectionError, OSError) as e:
                 await consumer.stop()
-                raise unreachable(self.bus.settings.bootstrap_servers, e) from e
+                raise await clients.connect_error(self.bus.settings, e) from e
             # Subscribed after the start, so that the group is joined in the background: a
             # consumer subscribed before would make `start` wait for the group's assignment
             # (seconds on a busy group), and a service would not answer its health check.

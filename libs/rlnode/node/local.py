@@ -1,5 +1,6 @@
-"""A whole node on one machine: the broker (embedded Tansu unless one is given), the topics,
-and every service as a child process wired to the others with its own service token.
+"""A whole node on one machine: the broker (its own Apache Kafka unless one is given), the
+topics, a Kafka user and ACLs per service, and every service as a child process wired to the
+others with its own service token and Kafka user.
 
 Used by the benchmarks and the end-to-end tools; `rlnode up` builds its supervision on it.
 What a *user* does on top (an org, a sealed key, a Task App, a job) goes through the public
@@ -19,20 +20,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rlnode.bus import ensure_topics
-from rlnode.bus.front import KafkaTlsFront
-from rlnode.bus.localbroker import LocalBroker, Storage, free_port
-from rlnode.bus.objectstore import LocalObjectStore
-from rlnode.bus.objectstore.process import RETENTION_EVERY_S
-from rlnode.bus.pki import Identity
+from rlnode.bus.acls import grant, service_acls
+from rlnode.bus.localbroker import LocalBroker, free_port
+from rlnode.bus.principals import ADMIN, KafkaUser
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
 from rlnode.messages import JobConfig, JobEvent, topics
-from rlnode.node.kafka_tls import (
-    OPERATOR,
-    client_identity,
-    front_identity,
-    identities_from_join,
+from rlnode.node.kafka_access import (
+    broker_identity,
+    ca_certificate,
+    credentials_from_join,
     join_payload,
+    users,
 )
 from rlnode.node.plan import (
     GpuPlan,
@@ -63,9 +62,9 @@ from rlnode.training.network import RENDEZVOUS_PORT
 
 log = logging.getLogger("rlnode.node.local")
 
-OBJECT_STORE = "objectstore"  # the embedded broker's store, in `restarts` and chaos targets
-FRONT = "kafka-front"  # the broker's TLS front, in `restarts` and chaos targets
 LOOPBACK = "127.0.0.1"
+# The services with a Kafka user of their own (and ACLs: rlnode.bus.acls).
+ON_THE_BUS = tuple(sorted(topics.READERS))
 
 
 @dataclass
@@ -78,8 +77,8 @@ class NodeOptions:
     gateways: int = 1  # at most MAX_GATEWAYS (rlnode.service.registry)
     # Extra environment per service name ("learner", "rollout-generator", ...).
     env: dict[str, dict[str, str]] = field(default_factory=dict)
-    # Tansu delays a group's first join by half the session timeout; 6 s (Kafka's minimum)
-    # keeps start-up quick on a local node.
+    # How soon a group hands a dead member's partitions to the others; 6 s is Kafka's
+    # least (group.min.session.timeout.ms).
     session_timeout_ms: int = 6000
     services: tuple[str, ...] = tuple(spec.name for spec in SERVICES)
     # Fixed ports from here (each service at its offset in the registry: vault +0, gateway
@@ -94,23 +93,10 @@ class NodeOptions:
     # The control host's join file (rlnode.node.roles), for a host that runs no vault: its
     # services reach the control host's broker, vault and gateways with the tokens in it.
     join: JoinInfo | None = None
-    # Where the embedded broker keeps what it holds: "durable" (rlnode's object store under
-    # <data_dir>/broker, supervised too: a broker that dies loses nothing, and one started
-    # again on the same data dir has every topic, record and offset) or "memory"; None:
-    # RLNODE_BROKER_STORAGE (default durable). docs/decisions.md says why.
-    broker_storage: Storage | None = None
-    # Whether the durable store applies the topics' retention (rlnode.bus.objectstore.
-    # retention); off only to measure what retention saves (bench/control_plane.py).
-    broker_retention: bool = True
     # Hosts that lend the learner training ranks (`rlnode trainer-ranks` on each), as each
     # names itself; the learner's rendezvous listens on `host`:`rendezvous_port` for them.
     rank_hosts: tuple[str, ...] = ()
     rendezvous_port: int = RENDEZVOUS_PORT
-    # The embedded broker behind a TLS front (haproxy) that requires a client certificate of
-    # the node's CA; Tansu itself on loopback only. None: on when `host` is not loopback (a
-    # node over several hosts), off on one machine (there, only the node's own processes
-    # reach loopback: managed Task Apps are kept off it by the gateway's network rules).
-    kafka_tls: bool | None = None
 
     @property
     def rendezvous(self) -> str:
@@ -149,29 +135,18 @@ def state_path(data_dir: Path) -> Path:
     return data_dir / "node.json"
 
 
-def broker_object_store(data_dir: Path, retention: bool = True) -> LocalObjectStore:
-    """The embedded broker's durable storage under a node's data dir: the objects in
-    broker/, its access key with the node's other secrets, its log with theirs; applying
-    the topics' retention (`retention`: off only to measure what it saves)."""
-    return LocalObjectStore(
-        data_dir / "broker",
-        credentials_path=data_dir / "secrets" / "objectstore.json",
-        log_path=data_dir / "logs" / "objectstore.log",
-        retention_every_s=RETENTION_EVERY_S if retention else 0.0,
-        once_read_s=topics.ONCE_READ_S,
-    )
-
-
 class LocalNode:
     def __init__(self, options: NodeOptions) -> None:
         self.options = options
         self.data_dir = options.data_dir
         self.broker: LocalBroker | None = None
-        self.object_store: LocalObjectStore | None = None  # the broker's, when durable
         self.bootstrap = options.kafka_bootstrap or ""
-        self.front: KafkaTlsFront | None = None  # the broker's TLS front, when it has one
-        # Client certificates for Kafka over TLS: each service's, and the node's own tools'.
-        self.kafka_identities: dict[str, Identity] = {}
+        # The Kafka users of the services this host runs, and the CA their clients check the
+        # brokers with (none on a broker of the user's own without SASL).
+        self.kafka_users: dict[str, KafkaUser] = {}
+        self.kafka_ca: Path | None = None
+        # How the node itself (topics, users, ACLs, its tools) talks to Kafka: as the admin.
+        self.operator: KafkaSettings | None = None
         self.processes: dict[str, ServiceProcess] = {}
         self.admin_token = ""
         self.restarts: dict[str, int] = {}
@@ -203,12 +178,15 @@ class LocalNode:
             )
         if join is not None:
             self.bootstrap = join.bootstrap
-            if join.kafka_tls:
-                self.kafka_identities = identities_from_join(self.data_dir, join.kafka_tls)
+            if join.kafka:
+                self.kafka_users = credentials_from_join(self.data_dir, join.kafka)
+                self.kafka_ca = ca_certificate(self.data_dir)
         elif not self.bootstrap:
             self._start_embedded_broker()
-        if VAULT.name in wanted:  # topics are the control host's to make
-            asyncio.run(ensure_topics(self.kafka_settings()))
+        else:
+            self._use_own_cluster()
+        if VAULT.name in wanted:  # topics, users and ACLs are the control host's to make
+            asyncio.run(self._prepare_bus())
         if join is None:
             credentials = ensure_local_credentials(self.data_dir)
             self.admin_token = credentials.admin_token
@@ -271,10 +249,10 @@ class LocalNode:
         for spec in (s for s in SERVICES if s.name in JOINING_SERVICES):
             tokens[spec.name] = self.service_token(list(spec.token_scopes), spec.name)
         serving = self.processes.get(CHECKPOINT_SERVER.name)
-        joining_tls = join_payload(self.data_dir, JOINING_SERVICES) if self.front else {}
+        joining = join_payload(self.data_dir, JOINING_SERVICES) if self.broker else {}
         info = JoinInfo(
             bootstrap=self.bootstrap,
-            kafka_tls=joining_tls,
+            kafka=joining,
             vault_url=self.url(VAULT.name),
             gateway_urls=gateway_urls,
             service_tokens=tokens,
@@ -284,49 +262,50 @@ class LocalNode:
         )
         return info.write(join_path(self.data_dir))
 
-    @property
-    def wants_kafka_tls(self) -> bool:
-        if self.options.kafka_tls is not None:
-            return self.options.kafka_tls
-        return self.options.host != LOOPBACK
-
     def _start_embedded_broker(self) -> None:
-        """Tansu, on this host's address; or, with a TLS front, on loopback only behind
-        the front, which Tansu names to clients as where the broker is."""
-        storage = self.options.broker_storage or NodeSettings().broker_storage
-        if storage == "durable":
-            self.object_store = broker_object_store(
-                self.data_dir, self.options.broker_retention
-            ).start()
+        """Apache Kafka on this host's address (its controller on loopback), its log and
+        credentials under the data dir; a user per service on the bus."""
         host = self.options.host
-        tls = self.wants_kafka_tls
-        front_port = free_port(host) if tls else None
+        store = users(self.data_dir)
+        admin = store.user(ADMIN)
         self.broker = LocalBroker(
-            host=LOOPBACK if tls else host,
+            self.data_dir / "broker",
+            broker_identity(self.data_dir, tuple(dict.fromkeys((host, LOOPBACK)))),
+            admin,
+            host=host,
             log_path=self.data_dir / "logs" / "broker.log",
-            storage=storage,
-            object_store=self.object_store,
-            advertised=f"{host}:{front_port}" if tls else None,
         ).start()
         self.bootstrap = self.broker.bootstrap_servers
-        if not tls:
-            return
-        self.front = KafkaTlsFront(
-            host,
-            self.broker.bootstrap_servers,
-            front_identity(self.data_dir, (host,)),
-            self.data_dir / "front",
-            port=front_port,
-            log_path=self.data_dir / "logs" / "kafka-front.log",
-        ).start()
-        self.bootstrap = self.front.address
-        names = (OPERATOR, *(spec.name for spec in SERVICES))
-        self.kafka_identities = {name: client_identity(self.data_dir, name) for name in names}
+        self.kafka_ca = ca_certificate(self.data_dir)
+        self.kafka_users = {user.name: user for user in store.users(ON_THE_BUS)}
+        self.operator = KafkaSettings(
+            bootstrap_servers=self.bootstrap, **admin.client_settings(self.kafka_ca)
+        )
+
+    def _use_own_cluster(self) -> None:
+        """A cluster of the user's own (KAFKA_BOOTSTRAP_SERVERS): the node talks to it as
+        KAFKA_* say; where that is a SASL user (its admin), each service gets a user of its
+        own, made and granted through it, checking the brokers with KAFKA_SSL_CAFILE."""
+        self.operator = KafkaSettings(bootstrap_servers=self.bootstrap)
+        if self.operator.security_protocol == "SASL_SSL" and self.operator.ssl_cafile:
+            store = users(self.data_dir)
+            self.kafka_users = {user.name: user for user in store.users(ON_THE_BUS)}
+            self.kafka_ca = self.operator.ssl_cafile
+
+    async def _prepare_bus(self) -> None:
+        """The topics, and each service's Kafka user and ACLs where the node has an admin
+        (its own broker; a cluster of the user's own whose admin it was given)."""
+        operator = self.kafka_settings()
+        await ensure_topics(operator)
+        if self.kafka_users and operator.sasl_username:
+            await grant(operator, self.kafka_users.values(), service_acls())
 
     def kafka_env(self, service: str) -> dict[str, str]:
-        """The KAFKA_* settings of `service`'s clients: its certificate, over TLS."""
-        identity = self.kafka_identities.get(service)
-        return identity.kafka_env() if identity else {}
+        """The KAFKA_* settings of `service`'s clients: its own Kafka user."""
+        user = self.kafka_users.get(service)
+        if user is None or self.kafka_ca is None:
+            return {}
+        return user.client_env(self.kafka_ca)
 
     @property
     def state_path(self) -> Path:
@@ -434,65 +413,19 @@ class LocalNode:
         return said
 
     def _supervise_broker(self) -> list[str]:
-        """A dead embedded broker is started again on the same port. On durable storage it
-        finds everything it held and the services go on (their clients reconnect); its
-        object store, if it died, is started again first. In memory the topics are made
-        again and every service on the bus is started again to begin from the empty topics
-        (the learner resumes each running job from its last checkpoint and issues its work
-        again)."""
-        said = self._supervise_object_store() + self._supervise_front()
+        """A dead broker is started again on the same ports and log: it has everything it
+        held, and the services' clients reconnect to it."""
         broker = self.broker
         if broker is None or broker.running:
-            return said
-        said.append(f"the broker exited with code {broker.exit_code}; starting it again")
-        if broker.storage == "durable":
-            try:
-                broker.start()
-            except Exception as e:  # tried again next round
-                broker.stop()
-                return [*said, f"the broker could not be started again: {e}"]
-            self.restarts["broker"] = self.restarts.get("broker", 0) + 1
-            return [*said, f"broker started again (pid {broker.pid}) on its durable storage"]
-        # Killed first, not stopped: what they would still send (offsets, records of the
-        # dead broker's era) must not reach the new one.
-        on_the_bus = {k: p for k, p in self.processes.items() if p.spec.on_the_bus}
-        for process in on_the_bus.values():
-            process.kill()
+            return []
+        said = [f"the broker exited with code {broker.exit_code}; starting it again"]
         try:
             broker.start()
-            asyncio.run(ensure_topics(self.kafka_settings()))
-        except Exception as e:  # the services on the bus are started with it, next round
+        except Exception as e:  # tried again next round
             broker.stop()
             return [*said, f"the broker could not be started again: {e}"]
         self.restarts["broker"] = self.restarts.get("broker", 0) + 1
-        said.append(f"broker started again (pid {broker.pid}); starting the services on it")
-        for key, process in on_the_bus.items():
-            process.start()
-            self._due.pop(key, None)
-            self.restarts[key] = self.restarts.get(key, 0) + 1
-        return said
-
-    def _supervise_front(self) -> list[str]:
-        """The TLS front, started again on its port (clients reconnect through it)."""
-        return self._supervise_child(self.front, FRONT, "the Kafka TLS front")
-
-    def _supervise_object_store(self) -> list[str]:
-        """The broker's object store, started again on its port and data: the broker's
-        requests meanwhile are retried (its object_store client backs off for minutes)."""
-        return self._supervise_child(self.object_store, OBJECT_STORE, "the broker's object store")
-
-    def _supervise_child(
-        self, child: LocalObjectStore | KafkaTlsFront | None, key: str, what: str
-    ) -> list[str]:
-        if child is None or child.running:
-            return []
-        said = [f"{what} exited with code {child.exit_code}; starting it again"]
-        try:
-            child.start()
-        except Exception as e:  # tried again next round
-            return [*said, f"{what} could not be started again: {e}"]
-        self.restarts[key] = self.restarts.get(key, 0) + 1
-        return [*said, f"{what} started again (pid {child.pid})"]
+        return [*said, f"broker started again (pid {broker.pid})"]
 
     def state(self) -> dict:
         """What `rlnode status` shows: each service's URL, pid, restarts and log."""
@@ -503,12 +436,8 @@ class LocalNode:
             "broker_pid": self.broker.pid if self.broker else None,
             "broker_listens": self.broker.bootstrap_servers if self.broker else None,
             "broker_restarts": self.restarts.get("broker", 0),
-            "broker_storage": self.broker.storage if self.broker else None,
-            "objectstore_pid": self.object_store.pid if self.object_store else None,
-            "kafka_tls_front": (
-                {"address": self.front.address, "pid": self.front.pid} if self.front else None
-            ),
-            "objectstore_restarts": self.restarts.get(OBJECT_STORE, 0),
+            # Where the node's own tools find the admin's credentials (rlnode.sdk.local_node).
+            "kafka_ca": str(self.kafka_ca) if self.broker and self.kafka_ca else None,
             "plan": [
                 {"role": role, "gpus": gpus, "runs": runs}
                 for role, gpus, runs in (self.options.plan or make_plan(0)).rows()
@@ -527,21 +456,14 @@ class LocalNode:
         }
 
     def stop(self) -> dict[str, int]:
-        """Stop the services (consumers of others first), then the broker, then its store;
-        exit codes."""
+        """Stop the services (consumers of others first), then the broker; exit codes."""
         codes = {}
         for key in reversed(list(self.processes)):
             codes[key] = self.processes[key].stop()
         self.processes.clear()
-        if self.front is not None:
-            self.front.stop()
-            self.front = None
         if self.broker is not None:
             self.broker.stop()
             self.broker = None
-        if self.object_store is not None:
-            self.object_store.stop()
-            self.object_store = None
         self.state_path.unlink(missing_ok=True)
         if self._holds_signals:
             TerminationUnwinds.release()
@@ -556,23 +478,22 @@ class LocalNode:
 
     # -- wiring ---------------------------------------------------------------------------
 
-    def kafka_settings(self, client: str = OPERATOR) -> KafkaSettings:
-        """Settings for a Kafka client of this node's (over TLS: `client`'s certificate)."""
-        identity = self.kafka_identities.get(client)
-        tls: dict = {}
-        if identity is not None:
-            tls = {
-                "security_protocol": "SSL",
-                "ssl_cafile": identity.ca,
-                "ssl_certfile": identity.cert,
-                "ssl_keyfile": identity.key,
-            }
-        return KafkaSettings(
-            bootstrap_servers=self.bootstrap,
-            **tls,
-            session_timeout_ms=self.options.session_timeout_ms,
-            heartbeat_interval_ms=self.options.session_timeout_ms // 3,
-        )
+    def kafka_settings(self, user: str = ADMIN) -> KafkaSettings:
+        """Settings for a Kafka client of this node's: as the admin (the node's own tools),
+        or as one of its services' users."""
+        timing = {
+            "session_timeout_ms": self.options.session_timeout_ms,
+            "heartbeat_interval_ms": self.options.session_timeout_ms // 3,
+        }
+        if user == ADMIN and self.operator is not None:
+            return self.operator.model_copy(update=timing)
+        known = self.kafka_users.get(user)
+        if known is not None and self.kafka_ca is not None:
+            own = known.client_settings(self.kafka_ca)
+            return KafkaSettings(bootstrap_servers=self.bootstrap, **own, **timing)
+        if user != ADMIN:
+            raise KeyError(f"this node has no Kafka user {user!r}")
+        return KafkaSettings(bootstrap_servers=self.bootstrap, **timing)
 
     def url(self, key: str) -> str:
         return self.processes[key].url
@@ -627,3 +548,4 @@ class LocalNode:
         with GatewayClient(self.url(GATEWAY.name), org.token) as gateway:
             gateway.register(name, command=[sys.executable, str(path)])
             return gateway.verify(name)
+

@@ -74,10 +74,10 @@ class JoinInfo:
     # Where rank hosts join the learner (`rlnode trainer-ranks --join join.json`; "" when
     # the host that writes it runs no learner with rank hosts).
     rendezvous: str = ""
-    # Kafka over TLS (the broker's front): the node's CA certificate and a client
-    # certificate and key per joining service (rlnode.node.kafka_tls); {} without a front.
-    kafka_tls: dict = field(default_factory=dict)
-    version: int = 1
+    # Kafka: the node's CA certificate (the brokers' certificates are its) and a Kafka user
+    # per joining service (rlnode.node.kafka_access); {} for a broker of the user's own.
+    kafka: dict = field(default_factory=dict)
+    version: int = 2
     comment: str = field(
         default="rlnode join file: service tokens inside; keep it private (mode 600)"
     )

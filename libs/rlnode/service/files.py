@@ -33,6 +33,16 @@ def private_file(path: Path) -> Path:
     return path
 
 
+def write_private(path: Path, data: bytes) -> None:
+    """`data` written whole under a temporary name (0600 from the start), then renamed into
+    place: a reader never sees half a key or a file anyone else may read."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, PRIVATE_FILE_MODE)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    tmp.replace(path)
+
+
 def _tighten(path: Path, mode: int) -> None:
     info = path.stat()
     # Only what this user owns: a shared directory given as a parent is left as it is.

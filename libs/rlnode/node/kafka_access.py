@@ -1,0 +1,93 @@
+"""A node's Kafka credentials under its data directory, and what a joining host gets of them.
+
+Under `<data dir>/secrets/kafka/` (0700, every file 0600): `ca/` (the node's CA, made once by
+the control host), `broker/` (the broker's certificate, issued again at each start for the
+addresses it listens on; its common name is what the controller listener lets in) and
+`users.json` (a SCRAM password per Kafka user: each service, the admin, each org that asked
+for credentials). A host that joins gets its services' users and the CA's certificate in the
+join file, beside their service tokens; it never holds the CA's key or the admin's password.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from rlnode.bus.pki import Identity, NodeCA
+from rlnode.bus.principals import BROKER_CERT_NAME, KafkaUser, UserStore, check_user_name
+from rlnode.service.files import private_dir, write_private
+
+NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,99}$")
+
+
+class KafkaAccessError(RuntimeError):
+    pass
+
+
+def kafka_secrets(data_dir: Path) -> Path:
+    return data_dir / "secrets" / "kafka"
+
+
+def ca_certificate(data_dir: Path) -> Path:
+    """The node's CA certificate: what every client checks the brokers' certificates with."""
+    return kafka_secrets(data_dir) / "ca" / "ca.pem"
+
+
+def node_ca(data_dir: Path, create: bool = True) -> NodeCA:
+    directory = kafka_secrets(data_dir) / "ca"
+    if not create and not (directory / "ca.key").exists():
+        raise KafkaAccessError(
+            f"no Kafka CA under {directory}: it is made by the node's control host (rlnode "
+            "up) or, for production compose, by rlnode kafka-cert --init-ca; run this there"
+        )
+    return NodeCA.ensure(directory)
+
+
+def check_name(name: str) -> str:
+    if not NAME.match(name) or name in ("ca", "broker"):
+        raise KafkaAccessError(
+            f"certificate name {name!r}: 1-100 letters, digits and . _ @ -, starting with a "
+            "letter or digit (not 'ca' or 'broker')"
+        )
+    return name
+
+
+def broker_identity(data_dir: Path, addresses: tuple[str, ...]) -> Identity:
+    """The broker's certificate for the addresses clients and the other controllers reach it
+    at (issued anew at each start: the addresses may change)."""
+    return node_ca(data_dir).write_identity(
+        kafka_secrets(data_dir) / "broker", BROKER_CERT_NAME, addresses
+    )
+
+
+def users(data_dir: Path) -> UserStore:
+    return UserStore.of_node(data_dir)
+
+
+def join_payload(data_dir: Path, services: tuple[str, ...]) -> dict[str, Any]:
+    """What the join file carries for the joining host's services: the CA's certificate and
+    each service's Kafka user (never the CA's key, nor the admin's password)."""
+    return {
+        "ca": node_ca(data_dir).cert_pem.decode(),
+        "users": {user.name: user.password for user in users(data_dir).users(list(services))},
+    }
+
+
+def credentials_from_join(data_dir: Path, payload: dict[str, Any]) -> dict[str, KafkaUser]:
+    """The joining host's copies (0600, under its own data dir) of what the join file
+    carries: the CA's certificate, and its services' users."""
+    try:
+        ca = payload["ca"].encode()
+        joined = {
+            check_user_name(name): KafkaUser(name, str(password))
+            for name, password in payload["users"].items()
+        }
+    except (KeyError, TypeError, AttributeError, ValueError) as e:
+        raise KafkaAccessError(
+            f"the join file's kafka entry is not one rlnode wrote ({e!r}): write it again "
+            "on the control host"
+        ) from None
+    private_dir(ca_certificate(data_dir).parent)
+    write_private(ca_certificate(data_dir), ca)
+    return joined
