@@ -22,9 +22,9 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
+from pydantic import SecretStr
 
 from rlnode import testing
-from rlnode.bus.pki import NodeCA
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import example_job
 from rlnode.messages import JobEventType
@@ -63,9 +63,9 @@ def test_a_job_over_three_hosts_survives_a_killed_generator_and_a_pulled_cable(
         join_file = join_path(control.data_dir)
         join = JoinInfo.read(join_file)
         assert all(a.address in url for url in (join.bootstrap, join.vault_url, join.learner_url))
-        # The user, from this machine: an org, its key, a Kafka certificate (rlnode kafka-cert).
+        # The user, from this machine: an org, its key, a Kafka login.
         user = User.create(control)
-        check_kafka_is_authenticated(control_state, join, user, tmp_path)
+        check_kafka_is_authenticated(control_state, join, user)
         inference = []
         for host in (b, c):
             process = HostProcess(
@@ -122,30 +122,26 @@ def test_a_job_over_three_hosts_survives_a_killed_generator_and_a_pulled_cable(
     assert done["step"] == STEPS
 
 
-def check_kafka_is_authenticated(state: dict, join: JoinInfo, user: User, tmp: Path) -> None:
-    """Across hosts, Kafka is the TLS front's: a client without a certificate of the node's
-    CA is refused (plain, TLS without one, one of another CA); the broker's own port is not
-    reachable from another host; the user's certificate works."""
-    assert state["kafka_tls_front"]["address"] == join.bootstrap, state
+def check_kafka_is_authenticated(state: dict, join: JoinInfo, user: User) -> None:
+    """Across hosts, Kafka is SASL_SSL with the node's users: a plain client, TLS without a
+    login and a wrong password are refused; the controller listens on loopback only, out of
+    another host's reach; the user's login works."""
+    assert state["broker_listens"] == join.bootstrap, state
+    assert join.kafka and user.kafka.ssl_cafile is not None
     plain = KafkaSettings(bootstrap_servers=join.bootstrap)
-    node_ca = user.kafka.ssl_cafile
-    assert join.kafka_tls and node_ca is not None
-    no_certificate = ssl.create_default_context(cafile=str(node_ca))
-    other = NodeCA.ensure(tmp / "other-ca").write_identity(tmp / "mallory", "mallory")
-    foreign = ssl.create_default_context(cafile=str(node_ca))
-    foreign.load_cert_chain(other.cert, other.key)
+    tls_only = ssl.create_default_context(cafile=str(user.kafka.ssl_cafile))
+    wrong = user.kafka.model_copy(update={"sasl_password": SecretStr("not-the-password")})
     outcomes = {
         "plain": asyncio.run(kafka_client_outcome(plain)),
-        "tls without a certificate": asyncio.run(
-            kafka_client_outcome(plain, security_protocol="SSL", ssl_context=no_certificate)
+        "tls without a login": asyncio.run(
+            kafka_client_outcome(plain, security_protocol="SSL", ssl_context=tls_only)
         ),
-        "a certificate of another CA": asyncio.run(
-            kafka_client_outcome(plain, security_protocol="SSL", ssl_context=foreign)
-        ),
+        "a wrong password": asyncio.run(kafka_client_outcome(wrong)),
     }
     assert all(o.startswith("refused") for o in outcomes.values()), outcomes
-    broker_port = int(state["broker_listens"].rsplit(":", 1)[1])
-    front_host = join.bootstrap.rsplit(":", 1)[0]
+    controller_host, controller_port = state["broker_controller"].rsplit(":", 1)
+    assert controller_host == "127.0.0.1", state
+    broker_host = join.bootstrap.rsplit(":", 1)[0]
     with pytest.raises(OSError):
-        socket.create_connection((front_host, broker_port), timeout=3).close()
+        socket.create_connection((broker_host, int(controller_port)), timeout=3).close()
     assert asyncio.run(kafka_client_outcome(user.kafka)).startswith("topics: "), user.kafka

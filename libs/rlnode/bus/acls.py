@@ -48,7 +48,10 @@ def service_acls() -> list[Acl]:
         if service in topics.JOB_REQUEST_WRITERS:
             written.add(topics.JOB_REQUESTS)
         for topic in written:
-            acls |= {Acl(service, "Write", "topic", topic), Acl(service, "Describe", "topic", topic)}
+            acls |= {
+                Acl(service, "Write", "topic", topic),
+                Acl(service, "Describe", "topic", topic),
+            }
     return sorted(acls)
 
 
@@ -123,7 +126,7 @@ def grant_sync(
 
     client = AdminClient(confluent_config(settings))
     mechanism = ScramMechanism[MECHANISM.replace("-", "_")]
-    upserts = [
+    upserts: list[Any] = [
         UserScramCredentialUpsertion(
             user.name, ScramCredentialInfo(mechanism, SCRAM_ITERATIONS), user.password.encode()
         )
@@ -163,12 +166,14 @@ def granted_sync(settings: KafkaSettings, user: str | None = None) -> list[Acl]:
     )
 
     client = AdminClient(confluent_config(settings))
+    # None matches any name, principal or host (librdkafka's filter; its stubs say str).
+    anything: Any = None
     wanted = AclBindingFilter(
         ResourceType.ANY,
-        None,
+        anything,
         ResourcePatternType.ANY,
-        f"User:{user}" if user else None,
-        None,
+        f"User:{user}" if user else anything,
+        anything,
         AclOperation.ANY,
         AclPermissionType.ANY,
     )
@@ -183,7 +188,9 @@ def granted_sync(settings: KafkaSettings, user: str | None = None) -> list[Acl]:
             binding.operation.name.capitalize(),
             "topic" if binding.restype == ResourceType.TOPIC else "group",
             binding.name,
-            "prefixed" if binding.resource_pattern_type == ResourcePatternType.PREFIXED else "literal",
+            "prefixed"
+            if binding.resource_pattern_type == ResourcePatternType.PREFIXED
+            else "literal",
         )
         for binding in bindings
     )

@@ -273,7 +273,7 @@ class LocalBroker(ChildProcess):
         os.chmod(self.directory, 0o700)
         if self.identity is not None:
             pem = self.directory / "broker.pem"
-            write_private(pem, self.identity.key.read_bytes() + self.identity.cert.read_bytes())
+            write_private(pem, self.identity.pem_bundle())
         write_private(self.directory / "log4j2.properties", LOG4J2.encode())
         config = self.directory / "server.properties"
         lines = [f"{key}={_escaped(value)}" for key, value in self.properties().items()]
@@ -318,6 +318,7 @@ class LocalBroker(ChildProcess):
         self._write_config()
         if not self.formatted:
             self.format()
+        assert self.log_path is not None
         since = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._spawn(self._java("kafka.Kafka", str(self.directory / "server.properties")), "")
         try:
@@ -369,4 +370,3 @@ class LocalBroker(ChildProcess):
 def _escaped(value: str) -> str:
     """A value as java.util.Properties reads it back (backslashes are escapes there)."""
     return value.replace("\\", "\\\\")
-

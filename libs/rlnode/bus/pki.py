@@ -1,9 +1,9 @@
 """The node's own certificate authority for Kafka connections (docs/security.md).
 
-Tansu has no TLS and no working authentication, so every Kafka connection that crosses a
-host goes through a TLS front (rlnode.bus.front) that requires a client certificate signed
-by this CA. `rlnode up` makes the CA once under the data directory and issues one
-certificate per service; `rlnode kafka-cert` issues one for a user's own client. Keys are
+Every Kafka client checks the brokers' certificates with this CA, and the brokers' own
+certificate (rlnode.bus.principals.BROKER_CERT_NAME) is the only way onto their controller
+listener. `rlnode up` makes the CA once under the data directory and issues the broker's
+certificate at each start; `rlnode kafka-cert` issues one for compose's brokers. Keys are
 EC P-256; every file is 0600 like the node's other secrets.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,23 +31,14 @@ class CertificateError(RuntimeError):
 
 @dataclass(frozen=True)
 class Identity:
-    """Where a client's (or the front's) certificate, key and the CA that checks its peer lie."""
+    """Where a party's certificate, its key and the CA that checks its peer lie."""
 
     ca: Path
     cert: Path
     key: Path
 
-    def kafka_env(self) -> dict[str, str]:
-        """The KAFKA_* settings that make rlnode's clients (KafkaSettings) use it."""
-        return {
-            "KAFKA_SECURITY_PROTOCOL": "SSL",
-            "KAFKA_SSL_CAFILE": str(self.ca),
-            "KAFKA_SSL_CERTFILE": str(self.cert),
-            "KAFKA_SSL_KEYFILE": str(self.key),
-        }
-
     def pem_bundle(self) -> bytes:
-        """Certificate then key, as haproxy's `crt` takes them."""
+        """Certificate then key in one file: a Kafka broker's PEM keystore."""
         return self.cert.read_bytes() + self.key.read_bytes()
 
 

@@ -16,7 +16,9 @@ import re
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from rlnode.bus.settings import KafkaSettings
 from rlnode.service.files import private_dir, write_private
 
 MECHANISM = "SCRAM-SHA-512"
@@ -41,20 +43,24 @@ class KafkaUser:
     def principal(self) -> str:
         return f"User:{self.name}"
 
-    def client_settings(self, ca: Path) -> dict[str, str | Path]:
-        """KafkaSettings' fields (rlnode.bus.settings) of a client logged in as this user,
-        over TLS to brokers whose certificates `ca` signed."""
-        return {
-            "security_protocol": "SASL_SSL",
-            "sasl_mechanism": MECHANISM,
-            "sasl_username": self.name,
-            "sasl_password": self.password,
-            "ssl_cafile": ca,
-        }
+    def client_settings(self, bootstrap: str, ca: Path, **fields: Any) -> KafkaSettings:
+        """The settings of a client logged in as this user, over TLS to the brokers at
+        `bootstrap` whose certificates `ca` signed (`fields`: any other setting)."""
+        return KafkaSettings.model_validate(
+            {
+                "bootstrap_servers": bootstrap,
+                "security_protocol": "SASL_SSL",
+                "sasl_mechanism": MECHANISM,
+                "sasl_username": self.name,
+                "sasl_password": self.password,
+                "ssl_cafile": ca,
+                **fields,
+            }
+        )
 
-    def client_env(self, ca: Path) -> dict[str, str]:
+    def client_env(self, bootstrap: str, ca: Path) -> dict[str, str]:
         """The same as KAFKA_* environment variables, for a process of its own."""
-        return {f"KAFKA_{k.upper()}": str(v) for k, v in self.client_settings(ca).items()}
+        return self.client_settings(bootstrap, ca).connection_env()
 
 
 def check_user_name(name: str) -> str:

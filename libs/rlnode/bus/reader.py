@@ -17,7 +17,6 @@ from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import ConsumerRecord
 
 from rlnode.bus import clients
-from rlnode.bus.errors import unreachable
 from rlnode.bus.settings import KafkaSettings
 
 

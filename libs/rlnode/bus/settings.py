@@ -75,8 +75,7 @@ class KafkaSettings(BaseSettings):
         500,
         ge=1,
         le=10_000,
-        description="Longest a fetch waits for data (Kafka answers as soon as a record "
-        "arrives).",
+        description="Longest a fetch waits for data (Kafka answers as soon as a record arrives).",
     )
     # The rollout path (work to generators, weights to generators, trajectories to the
     # learner) is on every step's critical path: with the control plane at ~2 CPU ms per
@@ -94,6 +93,21 @@ class KafkaSettings(BaseSettings):
     heartbeat_interval_ms: int = Field(
         3_000, ge=100, description="Group heartbeats; at most a third of the session timeout."
     )
+
+    def connection_env(self) -> dict[str, str]:
+        """The KAFKA_* variables that make a process's clients connect as these do."""
+        env = {
+            "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap_servers,
+            "KAFKA_SECURITY_PROTOCOL": self.security_protocol,
+            "KAFKA_SASL_MECHANISM": self.sasl_mechanism,
+        }
+        for name in ("ssl_cafile", "ssl_certfile", "ssl_keyfile", "sasl_username"):
+            value = getattr(self, name)
+            if value is not None:
+                env[f"KAFKA_{name.upper()}"] = str(value)
+        if self.sasl_password is not None:
+            env["KAFKA_SASL_PASSWORD"] = self.sasl_password.get_secret_value()
+        return env
 
     @field_validator("bootstrap_servers")
     @classmethod

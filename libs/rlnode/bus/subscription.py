@@ -29,7 +29,7 @@ from aiokafka.structs import ConsumerRecord
 from pydantic import BaseModel
 
 from rlnode.bus import clients, dead_letters
-from rlnode.bus.errors import Retryable, unreachable
+from rlnode.bus.errors import Retryable
 from rlnode.bus.ledger import OffsetLedger
 from rlnode.bus.reader import TopicReader
 from rlnode.bus.signing import RecordRefused

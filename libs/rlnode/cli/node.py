@@ -27,7 +27,6 @@ from pathlib import Path
 
 from rlnode import __version__
 from rlnode.bus import ensure_topics
-from rlnode.bus.localbroker import STORAGES, LocalBroker
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import topics
 from rlnode.service.registry import MAX_GATEWAYS, PORT_BASE, SERVICES, port_offset
@@ -36,59 +35,40 @@ from rlnode.training.network import RENDEZVOUS_PORT
 
 
 @contextlib.contextmanager
-def _broker_for_node(data_dir: Path) -> Iterator[tuple[str, str]]:
-    """KAFKA_BOOTSTRAP_SERVERS if set, else an embedded broker for the duration."""
-    explicit = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
-    if explicit:
-        yield explicit, "KAFKA_BOOTSTRAP_SERVERS"
+def _broker_for_node(data_dir: Path) -> Iterator[tuple[KafkaSettings, str]]:
+    """KAFKA_* if KAFKA_BOOTSTRAP_SERVERS is set, else the node's broker for the duration."""
+    from rlnode.node.local import admin_settings, node_broker
+
+    if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
+        yield KafkaSettings(), "KAFKA_BOOTSTRAP_SERVERS"
         return
-    with LocalBroker(log_path=data_dir / "logs" / "broker.log") as broker:
-        yield broker.bootstrap_servers, f"embedded Tansu (pid {broker.pid})"
-
-
-def _storage_argument(parser: argparse.ArgumentParser, flag: str) -> None:
-    parser.add_argument(
-        flag,
-        dest="broker_storage",
-        choices=STORAGES,
-        default=None,
-        help="where the embedded broker keeps topics, records and offsets: durable (rlnode's "
-        "object store under <data dir>/broker: nothing is lost when it dies or stops) or "
-        "memory (default: RLNODE_BROKER_STORAGE, else durable)",
-    )
+    with node_broker(data_dir) as broker:
+        settings = admin_settings(data_dir, broker.bootstrap_servers)
+        yield settings, f"the node's Apache Kafka (pid {broker.pid})"
 
 
 def _broker(args: argparse.Namespace) -> int:
-    from rlnode.node.local import broker_object_store
+    from rlnode.node.local import admin_settings, node_broker
 
     node = NodeSettings()
-    storage = args.broker_storage or node.broker_storage
     # Before anything is printed: whoever reads our output may signal us as soon as it can.
     stop = {"flag": False}
     signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
-    store = broker_object_store(node.data_dir) if storage == "durable" else None
-    broker = LocalBroker(
-        port=args.port,
-        log_path=node.data_dir / "logs" / "broker.log",
-        storage=storage,
-        object_store=store,
-    )
+    broker = node_broker(node.data_dir, port=args.port)
     try:
-        if store is not None:
-            store.start()
         broker.start()
-        created = asyncio.run(
-            ensure_topics(KafkaSettings(bootstrap_servers=broker.bootstrap_servers))
-        )
-        where = f" in {store.data_dir}" if store else ""
+        admin = admin_settings(node.data_dir, broker.bootstrap_servers)
+        created = asyncio.run(ensure_topics(admin))
         print(
-            f"broker ready on {broker.bootstrap_servers} ({storage} storage{where}; "
-            f"log {broker.log_path})"
+            f"Apache Kafka ready on {broker.bootstrap_servers} (its log under "
+            f"{broker.directory}: what it holds stays for the next start; output in "
+            f"{broker.log_path})"
         )
         print(f"created topics: {', '.join(created) or 'none (they existed)'}")
-        print(f"use it with:  export KAFKA_BOOTSTRAP_SERVERS={broker.bootstrap_servers}")
-        kept = "what it holds stays for the next start" if store else "everything it held is gone"
-        print(f"Ctrl-C stops it ({kept}).", flush=True)
+        print("use it as the node's admin (a super user: keep these to yourself):")
+        for name, value in admin.connection_env().items():
+            print(f"  export {name}={value}")
+        print("Ctrl-C stops it.", flush=True)
         while broker.running and not stop["flag"]:
             time.sleep(0.5)
         if not broker.running:
@@ -99,8 +79,6 @@ def _broker(args: argparse.Namespace) -> int:
         return 0
     finally:
         broker.stop()
-        if store is not None:
-            store.stop()
 
 
 def _topics_create(args: argparse.Namespace) -> int:
@@ -123,9 +101,9 @@ def _doctor(args: argparse.Namespace) -> int:
 
     node = NodeSettings()
     print(f"rlnode {__version__} doctor — data directory {node.data_dir}")
-    with _broker_for_node(node.data_dir) as (bootstrap, origin):
-        print(f"broker: {bootstrap} ({origin})")
-        results = doctor.run_checks(bootstrap, node)
+    with _broker_for_node(node.data_dir) as (kafka, origin):
+        print(f"broker: {kafka.bootstrap_servers} ({origin})")
+        results = doctor.run_checks(kafka, node)
     width = max(len(r.name) for r in results)
     for r in results:
         mark = "ok  " if r.ok else "FAIL"
@@ -256,36 +234,31 @@ def _up(args: argparse.Namespace) -> int:
         roles=roles,
         host=args.host,
         join=join,
-        broker_storage=args.broker_storage,
         rank_hosts=rank_hosts,
         rendezvous_port=args.rendezvous_port,
-        kafka_tls=args.kafka_tls,
     )
 
 
 def _kafka_cert(args: argparse.Namespace) -> int:
-    """A client certificate of the node's CA for a user's own Kafka client (operators only:
-    it needs the CA's key, on the control host)."""
-    from rlnode.node.kafka_tls import KafkaTlsError, check_name, node_ca
+    """A certificate of the node's CA: a broker's for compose (--address, --bundle). Operators
+    only: it needs the CA's key, on the control host."""
+    from rlnode.node.kafka_access import KafkaAccessError, check_name, node_ca
+    from rlnode.service.files import write_private
 
     try:
         check_name(args.name)
         ca = node_ca(NodeSettings().data_dir, create=args.init_ca)
         addresses = tuple(args.address or ())
         identity = ca.write_identity(args.out, args.name, addresses)
-    except KafkaTlsError as e:
+    except KafkaAccessError as e:
         print(f"rlnode: {e}", file=sys.stderr)
         return 2
     print(f"# {args.name}: certificate, key and the node's CA in {args.out} (0600)")
-    if args.bundle:  # certificate and key in one file: haproxy's crt, Kafka's PEM keystore
+    if args.bundle:  # certificate and key in one file: a Kafka broker's PEM keystore
         bundle = args.out / f"{args.name}.bundle.pem"
-        fd = os.open(bundle, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(identity.pem_bundle())
+        write_private(bundle, identity.pem_bundle())
         print(f"# and both in one file: {bundle}")
-    print("# it reads and writes every topic: give it only to whom you would give that")
-    for name, value in identity.kafka_env().items():
-        print(f"export {name}={value}")
+    print(f"# clients check the brokers with the CA: KAFKA_SSL_CAFILE={identity.ca}")
     return 0
 
 
@@ -367,19 +340,10 @@ def register(commands: argparse._SubParsersAction) -> None:
         default=RENDEZVOUS_PORT,
         help=f"where the learner listens for rank hosts, on --host (default {RENDEZVOUS_PORT})",
     )
-    _storage_argument(up, "--broker-storage")
-    up.add_argument(
-        "--kafka-tls",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="the embedded broker behind a TLS front that requires a client certificate of "
-        "the node's CA (haproxy; Tansu on loopback only); default: on when --host is not "
-        "loopback, off on one machine",
-    )
     up.set_defaults(run=_up)
     cert = commands.add_parser(
         "kafka-cert",
-        help="issue a client certificate of the node's CA for your own Kafka client",
+        help="issue a certificate of the node's CA (compose's brokers: --address, --bundle)",
     )
     cert.add_argument("name", help="who it is for (its common name)")
     cert.add_argument("--out", type=Path, required=True, help="directory for the files (0600)")
@@ -437,9 +401,10 @@ def register(commands: argparse._SubParsersAction) -> None:
     doctor = commands.add_parser("doctor", help="check broker, topics, bus, database and services")
     doctor.set_defaults(run=_doctor)
 
-    broker = commands.add_parser("broker", help="run the embedded Kafka-compatible broker (Tansu)")
+    broker = commands.add_parser(
+        "broker", help="run the node's Apache Kafka broker alone, in the foreground"
+    )
     broker.add_argument("--port", type=int, default=9092, help="loopback port (default 9092)")
-    _storage_argument(broker, "--storage")
     broker.set_defaults(run=_broker)
 
     topics_cmd = commands.add_parser("topics", help="manage rlnode's topics")

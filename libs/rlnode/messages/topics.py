@@ -35,17 +35,11 @@ ALL_TOPICS: Final[tuple[str, ...]] = (
 
 @dataclass(frozen=True)
 class TopicRetention:
-    """How long a topic keeps its records, per partition. `max_age_s` and `max_bytes` are
-    Kafka's own retention.ms and retention.bytes, set when rlnode creates the topic: a Kafka
-    applies them itself, and the embedded broker's durable store applies them for Tansu
-    (rlnode.bus.objectstore.retention), keeping past them what a consumer group has yet to
-    read. `once_read_s`, on the embedded broker only: a topic read only through consumer
-    groups loses its records once every group holding them has read them and they are that
-    old (docs/decisions.md)."""
+    """How long a topic keeps its records, per partition: Kafka's own retention.ms and
+    retention.bytes, set when rlnode creates the topic, applied by the brokers."""
 
     max_age_s: float
     max_bytes: int
-    once_read_s: float | None = None
 
     def kafka_configs(self) -> dict[str, str]:
         return {
@@ -63,9 +57,9 @@ RETENTION: Final[dict[str, TopicRetention]] = {
     JOB_EVENTS: TopicRetention(7 * _DAY, 32 * _MIB),
     # Work queues: a group reads each record, and a restart resumes from the group's offset
     # (the learner commits trajectories and Tinker calls only once a checkpoint holds them).
-    ROLLOUT_WORK: TopicRetention(_DAY, 256 * _MIB, once_read_s=300.0),
-    TRAJECTORIES: TopicRetention(_DAY, 1024 * _MIB, once_read_s=300.0),
-    TINKER_CALLS: TopicRetention(_DAY, 1024 * _MIB, once_read_s=300.0),
+    ROLLOUT_WORK: TopicRetention(_DAY, 256 * _MIB),
+    TRAJECTORIES: TopicRetention(_DAY, 1024 * _MIB),
+    TINKER_CALLS: TopicRetention(_DAY, 1024 * _MIB),
     # A generator that starts reads the running jobs' versions from the beginning.
     WEIGHT_VERSIONS: TopicRetention(7 * _DAY, 64 * _MIB),
     DEAD_LETTERS: TopicRetention(7 * _DAY, 256 * _MIB),
@@ -79,10 +73,6 @@ def retention_configs(topic: str) -> dict[str, str]:
     retention = RETENTION.get(topic)
     return retention.kafka_configs() if retention else {}
 
-
-ONCE_READ_S: Final[dict[str, float]] = {
-    topic: r.once_read_s for topic, r in RETENTION.items() if r.once_read_s is not None
-}
 
 # Who may produce what (docs/security.md). Services sign what they publish with a key the
 # vault certified under their name (rlnode.bus.signing); a consumer takes a record only
@@ -130,8 +120,8 @@ ROLLOUT_GENERATOR_GROUP: Final = "rollout-generator"
 CHECKPOINT_SERVER_GROUP: Final = registry.CHECKPOINT_SERVER.name
 
 # What each service reads, and in which consumer groups; with PRODUCERS (and who writes job
-# requests), every Kafka permission a service needs: production compose's ACLs are made
-# from these (rlnode.node.compose.kafka_acl_script), one Kafka user per service.
+# requests), every Kafka permission a service needs: its Kafka user's ACLs are made from
+# these (rlnode.bus.acls), on the node's own broker and on compose's.
 READERS: Final[dict[str, frozenset[str]]] = {
     LEARNER: frozenset({JOB_REQUESTS, TRAJECTORIES, TINKER_CALLS}),
     GENERATOR: frozenset({ROLLOUT_WORK, WEIGHT_VERSIONS, JOB_EVENTS}),

@@ -16,7 +16,7 @@ import httpx
 
 from rlnode.bus import TopicReader
 from rlnode.messages import topics
-from rlnode.node.local import FRONT, OBJECT_STORE, LocalNode, Org
+from rlnode.node.local import LocalNode, Org
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.service.registry import GATEWAY, LEARNER
 from rlnode.training.loop import trained_work_ids, work_id
@@ -49,12 +49,9 @@ def task_app_target(org: Org, name: str) -> str:
 
 
 def targets(node: LocalNode, task_apps: list[str]) -> list[str]:
-    """What may be killed: the broker (when the node runs its own) and its object store
-    (when durable), every service process, and the managed Task Apps named by
-    `task_app_target`."""
+    """What may be killed: the broker (when the node runs its own), every service process,
+    and the managed Task Apps named by `task_app_target`."""
     own = [BROKER] if node.broker is not None else []
-    own += [OBJECT_STORE] if node.object_store is not None else []
-    own += [FRONT] if node.front is not None else []
     return own + list(node.processes) + task_apps
 
 
@@ -62,12 +59,6 @@ def pid_of(node: LocalNode, target: str, orgs: dict[str, Org]) -> int:
     if target == BROKER:
         assert node.broker is not None and node.broker.pid is not None, "the broker runs"
         return node.broker.pid
-    if target == OBJECT_STORE:
-        assert node.object_store is not None and node.object_store.pid is not None
-        return node.object_store.pid
-    if target == FRONT:
-        assert node.front is not None and node.front.pid is not None
-        return node.front.pid
     if target.startswith(TASK_APP_PREFIX):
         org_id, name = target.removeprefix(TASK_APP_PREFIX).split("/", 1)
         with GatewayClient(node.url(GATEWAY.name), orgs[org_id].token) as gateway:
@@ -85,10 +76,6 @@ def is_running(node: LocalNode, target: str, orgs: dict[str, Org]) -> bool:
     on its own and waits for supervision to start it again."""
     if target == BROKER:
         return node.broker is not None and node.broker.running
-    if target == OBJECT_STORE:
-        return node.object_store is not None and node.object_store.running
-    if target == FRONT:
-        return node.front is not None and node.front.running
     if target.startswith(TASK_APP_PREFIX):
         try:
             pid_of(node, target, orgs)

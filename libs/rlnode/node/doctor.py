@@ -46,8 +46,7 @@ def _check(name: str, fn: Callable[[], str]) -> CheckResult:
     return CheckResult(name, ok, time.monotonic() - start, detail)
 
 
-def run_checks(bootstrap: str, node: NodeSettings) -> list[CheckResult]:
-    kafka = KafkaSettings(bootstrap_servers=bootstrap)
+def run_checks(kafka: KafkaSettings, node: NodeSettings) -> list[CheckResult]:
     results = [
         _check("topics", lambda: _topics(kafka)),
         _check("bus round trip", lambda: asyncio.run(_round_trip(kafka))),
@@ -58,7 +57,7 @@ def run_checks(bootstrap: str, node: NodeSettings) -> list[CheckResult]:
     # broker's group joins), and one after the other they took ~40 s on two cores.
     with ThreadPoolExecutor(len(SERVICES)) as pool:
         checks = [
-            pool.submit(_check, f"service {spec.name}", partial(_service, spec, node, bootstrap))
+            pool.submit(_check, f"service {spec.name}", partial(_service, spec, node, kafka))
             for spec in SERVICES
         ]
         results.extend(check.result() for check in checks)
@@ -143,8 +142,8 @@ def _database(node: NodeSettings) -> str:
     return redacted_url(settings.url_for("doctor", node))
 
 
-def _service(spec, node: NodeSettings, bootstrap: str) -> str:
-    env = {"KAFKA_BOOTSTRAP_SERVERS": bootstrap, "RLNODE_DATA_DIR": str(node.data_dir)}
+def _service(spec, node: NodeSettings, kafka: KafkaSettings) -> str:
+    env = kafka.connection_env() | {"RLNODE_DATA_DIR": str(node.data_dir)}
     if spec.name == "credential-vault":
         env |= ensure_local_credentials(node.data_dir).vault_env()
     service = ServiceProcess(

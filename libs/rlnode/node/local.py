@@ -57,7 +57,6 @@ from rlnode.service.registry import (
     ServiceSpec,
     port_offset,
 )
-from rlnode.service.settings import NodeSettings
 from rlnode.training.network import RENDEZVOUS_PORT
 
 log = logging.getLogger("rlnode.node.local")
@@ -133,6 +132,26 @@ def state_path(data_dir: Path) -> Path:
     """node.json under a node's data dir: what `rlnode status` and the dashboard's node page
     read, kept by `LocalNode`."""
     return data_dir / "node.json"
+
+
+def node_broker(data_dir: Path, host: str = LOOPBACK, port: int | None = None) -> LocalBroker:
+    """The node's Apache Kafka (not started): on `host` (its controller on loopback), its
+    log under <data dir>/broker, its certificate and the admin's credentials with the node's
+    other secrets (rlnode.node.kafka_access)."""
+    return LocalBroker(
+        data_dir / "broker",
+        broker_identity(data_dir, tuple(dict.fromkeys((host, LOOPBACK)))),
+        users(data_dir).user(ADMIN),
+        host=host,
+        port=port,
+        log_path=data_dir / "logs" / "broker.log",
+    )
+
+
+def admin_settings(data_dir: Path, bootstrap: str, **fields) -> KafkaSettings:
+    """How the node's own tools reach its broker: as its admin, over TLS."""
+    admin = users(data_dir).user(ADMIN)
+    return admin.client_settings(bootstrap, ca_certificate(data_dir), **fields)
 
 
 class LocalNode:
@@ -265,22 +284,11 @@ class LocalNode:
     def _start_embedded_broker(self) -> None:
         """Apache Kafka on this host's address (its controller on loopback), its log and
         credentials under the data dir; a user per service on the bus."""
-        host = self.options.host
-        store = users(self.data_dir)
-        admin = store.user(ADMIN)
-        self.broker = LocalBroker(
-            self.data_dir / "broker",
-            broker_identity(self.data_dir, tuple(dict.fromkeys((host, LOOPBACK)))),
-            admin,
-            host=host,
-            log_path=self.data_dir / "logs" / "broker.log",
-        ).start()
+        self.broker = node_broker(self.data_dir, self.options.host).start()
         self.bootstrap = self.broker.bootstrap_servers
         self.kafka_ca = ca_certificate(self.data_dir)
-        self.kafka_users = {user.name: user for user in store.users(ON_THE_BUS)}
-        self.operator = KafkaSettings(
-            bootstrap_servers=self.bootstrap, **admin.client_settings(self.kafka_ca)
-        )
+        self.kafka_users = {user.name: user for user in users(self.data_dir).users(ON_THE_BUS)}
+        self.operator = admin_settings(self.data_dir, self.bootstrap)
 
     def _use_own_cluster(self) -> None:
         """A cluster of the user's own (KAFKA_BOOTSTRAP_SERVERS): the node talks to it as
@@ -305,7 +313,7 @@ class LocalNode:
         user = self.kafka_users.get(service)
         if user is None or self.kafka_ca is None:
             return {}
-        return user.client_env(self.kafka_ca)
+        return user.client_env(self.bootstrap, self.kafka_ca)
 
     @property
     def state_path(self) -> Path:
@@ -435,6 +443,11 @@ class LocalNode:
             "bootstrap": self.bootstrap,
             "broker_pid": self.broker.pid if self.broker else None,
             "broker_listens": self.broker.bootstrap_servers if self.broker else None,
+            "broker_controller": (
+                f"{self.broker.controller_host}:{self.broker.controller_port}"
+                if self.broker
+                else None
+            ),
             "broker_restarts": self.restarts.get("broker", 0),
             # Where the node's own tools find the admin's credentials (rlnode.sdk.local_node).
             "kafka_ca": str(self.kafka_ca) if self.broker and self.kafka_ca else None,
@@ -489,11 +502,10 @@ class LocalNode:
             return self.operator.model_copy(update=timing)
         known = self.kafka_users.get(user)
         if known is not None and self.kafka_ca is not None:
-            own = known.client_settings(self.kafka_ca)
-            return KafkaSettings(bootstrap_servers=self.bootstrap, **own, **timing)
+            return known.client_settings(self.bootstrap, self.kafka_ca, **timing)
         if user != ADMIN:
             raise KeyError(f"this node has no Kafka user {user!r}")
-        return KafkaSettings(bootstrap_servers=self.bootstrap, **timing)
+        return KafkaSettings.model_validate({"bootstrap_servers": self.bootstrap, **timing})
 
     def url(self, key: str) -> str:
         return self.processes[key].url
@@ -548,4 +560,3 @@ class LocalNode:
         with GatewayClient(self.url(GATEWAY.name), org.token) as gateway:
             gateway.register(name, command=[sys.executable, str(path)])
             return gateway.verify(name)
-

@@ -16,7 +16,6 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from rlnode.bus.localbroker import Storage
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages.config import TopologySpec
 from rlnode.node.health import services_health
@@ -51,10 +50,8 @@ def run_up(
     roles: tuple[str, ...] = ALL_ROLES,
     host: str = "127.0.0.1",
     join: JoinInfo | None = None,
-    broker_storage: Storage | None = None,
     rank_hosts: tuple[str, ...] = (),
     rendezvous_port: int = RENDEZVOUS_PORT,
-    kafka_tls: bool | None = None,
 ) -> int:
     data_dir = data_dir or NodeSettings().data_dir
     state = state_path(data_dir)
@@ -77,10 +74,8 @@ def run_up(
             services=services_of(roles),
             host=host,
             join=join,
-            broker_storage=broker_storage,
             rank_hosts=rank_hosts,
             rendezvous_port=rendezvous_port,
-            kafka_tls=kafka_tls,
         )
     )
     stopping = False
@@ -92,14 +87,13 @@ def run_up(
     previous = {s: signal.signal(s, stop) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         node.start()  # it keeps its state in node.json
-        storage = f" ({node.broker.storage} storage)" if node.broker else ""
-        _say(out, f"node up: broker {node.bootstrap}{storage}, data and logs under {data_dir}")
-        if node.front is not None:
+        what = f"Apache Kafka (pid {node.broker.pid})" if node.broker else "Kafka"
+        _say(out, f"node up: broker {node.bootstrap} ({what}), data and logs under {data_dir}")
+        if node.broker is not None:
             _say(
                 out,
-                f"Kafka over TLS only, with a client certificate of the node's CA (front pid "
-                f"{node.front.pid}); a certificate for your own client: rlnode kafka-cert NAME "
-                "--out DIR",
+                "Kafka over TLS with a user per service (SCRAM-SHA-512) and ACLs; your own "
+                "Kafka client: rlnode kafka-credentials",
             )
         for key, service in node.state()["services"].items():
             _say(out, f"  {key:<28} {service['url']}  (pid {service['pid']})")

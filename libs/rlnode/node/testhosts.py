@@ -23,6 +23,7 @@ from rlnode import testing
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
 from rlnode.messages import JobConfig, JobEvent
+from rlnode.node.local import admin_settings
 from rlnode.node.roles import JoinInfo, join_path
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.jobs import JobsClient
@@ -200,7 +201,7 @@ class User:
     join: JoinInfo
     org_id: str
     token: str
-    kafka: KafkaSettings  # with the certificate `rlnode kafka-cert` issued them, over TLS
+    kafka: KafkaSettings  # the node's admin's, over TLS
 
     @classmethod
     def create(cls, control: HostProcess) -> User:
@@ -212,15 +213,8 @@ class User:
         with VaultClient(join.vault_url, token) as vault:
             vault.set_secret("ENVIRONMENT_API_KEY", unique_id("key"))
         kafka = KafkaSettings(bootstrap_servers=join.bootstrap)
-        if join.kafka_tls:  # the operator issues them a certificate, as an operator would
-            env = kafka_cert(control.data_dir, f"user-{org_id}", control.data_dir.parent / org_id)
-            kafka = KafkaSettings(
-                bootstrap_servers=join.bootstrap,
-                security_protocol="SSL",
-                ssl_cafile=Path(env["KAFKA_SSL_CAFILE"]),
-                ssl_certfile=Path(env["KAFKA_SSL_CERTFILE"]),
-                ssl_keyfile=Path(env["KAFKA_SSL_KEYFILE"]),
-            )
+        if join.kafka:  # the node's own broker: its admin's login, as the operator has it
+            kafka = admin_settings(control.data_dir, join.bootstrap)
         return cls(join, org_id, token, kafka)
 
     def register_example_task_app(self, name: str, example: str) -> dict:
@@ -263,19 +257,6 @@ class User:
             timeout_s,
             f"{job_id} ended",
         )
-
-
-def kafka_cert(control_data_dir: Path, name: str, out: Path) -> dict[str, str]:
-    """`rlnode kafka-cert NAME --out DIR` on the control host: the KAFKA_* it says to export."""
-    done = subprocess.run(
-        [sys.executable, "-m", "rlnode.cli", "kafka-cert", name, "--out", str(out)],
-        env=os.environ | {"RLNODE_DATA_DIR": str(control_data_dir)},
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    exports = [line.removeprefix("export ") for line in done.stdout.splitlines()]
-    return dict(line.split("=", 1) for line in exports if "=" in line and not line.startswith("#"))
 
 
 async def kafka_client_outcome(settings: KafkaSettings, **overrides) -> str:

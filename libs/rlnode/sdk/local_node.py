@@ -10,8 +10,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from rlnode.bus.principals import ADMIN, UserStore
 from rlnode.bus.settings import KafkaSettings
-from rlnode.node.kafka_tls import OPERATOR, existing_identity
 from rlnode.service.registry import ServiceSpec
 from rlnode.service.settings import NodeSettings
 
@@ -51,22 +51,21 @@ def discovered_url(spec: ServiceSpec) -> str | None:
 
 def kafka_settings() -> KafkaSettings:
     """KafkaSettings from KAFKA_*; with KAFKA_BOOTSTRAP_SERVERS unset and a node up here, its
-    broker (through its TLS front with the node's own certificate, where it has one)."""
+    broker, as the node's admin where this user may read its credentials (the node is
+    theirs)."""
     if os.environ.get("KAFKA_BOOTSTRAP_SERVERS"):
         return KafkaSettings()
     state = running_node()
     if state is None or not state.get("bootstrap"):
         return KafkaSettings()
-    tls: dict[str, Any] = {}
-    identity = existing_identity(Path(state["data_dir"]), OPERATOR)
-    if state.get("kafka_tls_front") and identity is not None:
-        tls = {
-            "security_protocol": "SSL",
-            "ssl_cafile": identity.ca,
-            "ssl_certfile": identity.cert,
-            "ssl_keyfile": identity.key,
-        }
-    return KafkaSettings(bootstrap_servers=state["bootstrap"], **tls)
+    if state.get("kafka_ca"):
+        try:
+            admin = UserStore.of_node(Path(state["data_dir"])).existing(ADMIN)
+        except RuntimeError:  # not this user's node: KAFKA_* must say who they are
+            admin = None
+        if admin is not None:
+            return admin.client_settings(state["bootstrap"], Path(state["kafka_ca"]))
+    return KafkaSettings(bootstrap_servers=state["bootstrap"])
 
 
 def admin_token() -> str | None:

@@ -42,13 +42,6 @@ class NodeSettings(BaseSettings):
         "one node), <org>/<job>/ per job; else beside the job's checkpoints.",
     )
 
-    broker_storage: Literal["memory", "durable"] = Field(
-        "durable",
-        validation_alias="RLNODE_BROKER_STORAGE",
-        description="Where the embedded broker keeps topics, records and committed offsets: "
-        "durable (rlnode's object store under $RLNODE_DATA_DIR/broker; a broker that dies "
-        "loses nothing) or memory (faster; what it held is gone when it dies).",
-    )
     model_store: Path | None = Field(
         None,
         validation_alias="RLNODE_MODEL_DIR",
