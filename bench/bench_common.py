@@ -13,10 +13,7 @@ from contextlib import contextmanager
 from datetime import UTC, datetime
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from rlnode.bus.localbroker import Storage
+from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -53,7 +50,12 @@ def machine() -> dict[str, Any]:
 
 def own_status_bytes(field: str) -> int:
     """A byte figure of this process's /proc/self/status (VmRSS, VmHWM)."""
-    for line in Path("/proc/self/status").read_text().splitlines():
+    return status_bytes("self", field)
+
+
+def status_bytes(pid: int | str, field: str) -> int:
+    """A byte figure of /proc/<pid>/status (VmRSS, VmHWM: the peak RSS since it started)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith(field + ":"):
             return int(line.split()[1]) * 1024
     raise KeyError(field)
@@ -105,15 +107,9 @@ def copy_task_node(
     directory: Path,
     generator_env: dict[str, str],
     gateways: int = 1,
-    broker_storage: Storage | None = None,
-    kafka_tls: bool | None = None,
-    broker_retention: bool = True,
 ) -> Iterator[tuple]:
     """A node for training benchmarks (no checkpoint-server), an org whose key is sealed
-    and uploaded, and the managed copy-task Task App registered as "copy": (node, org).
-    `broker_storage`: the embedded broker's, memory or durable (None: the node's default);
-    `kafka_tls`: the broker behind its TLS front (None: the node's default, off on one host);
-    `broker_retention`: whether the durable store applies the topics' retention."""
+    and uploaded, and the managed copy-task Task App registered as "copy": (node, org)."""
     import time
 
     from rlnode.node.local import LocalNode, NodeOptions
@@ -124,9 +120,6 @@ def copy_task_node(
             services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
             env={"rollout-generator": generator_env},
             gateways=gateways,
-            broker_storage=broker_storage,
-            kafka_tls=kafka_tls,
-            broker_retention=broker_retention,
         )
     ) as node:
         org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})

@@ -11,8 +11,6 @@ job's checkpoints, against every item its steps issue), and the longest stall (n
 trained anywhere while jobs were running). Writes bench/results/chaos.{json,md}.
 
     python bench/chaos.py [--chaos-s 600] [--baseline-s 120] [--kill-every-s 20] [--seed 0]
-    python bench/chaos.py --kafka-tls   # every Kafka client through the TLS front, which is
-                                        # killed too; writes bench/results/chaos_tls.{json,md}
 """
 
 from __future__ import annotations
@@ -188,11 +186,6 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--group", type=int, default=4)
-    parser.add_argument(
-        "--kafka-tls",
-        action="store_true",
-        help="the broker behind its TLS front (client certificates), the front a target too",
-    )
     args = parser.parse_args()
 
     directory = Path(tempfile.mkdtemp(prefix="rlnode-chaos-"))
@@ -203,7 +196,6 @@ def main() -> None:
             # A job whose work were lost would wait 30 min for it: count it as failed instead.
             "learner": {"LEARNER_MAX_RUNNING_JOBS": "2", "LEARNER_STEP_TIMEOUT_S": "300"},
         },
-        kafka_tls=args.kafka_tls,
     )
     with LocalNode(options) as node:
         orgs = []
@@ -267,10 +259,9 @@ def main() -> None:
             for j in result["not_completed"]
         ]
     write_results(
-        "chaos_tls" if args.kafka_tls else "chaos",
+        "chaos",
         args,
-        "Chaos: SIGKILL a random process of a training node every few seconds"
-        + (", every Kafka client through the TLS front" if args.kafka_tls else ""),
+        "Chaos: SIGKILL a random process of a training node every few seconds",
         table,
         faults=faults,
         baseline_steps_per_min=baseline,

@@ -5,36 +5,30 @@ what is left is what the services cost around generation and training. Every rol
 group gets the same reward, so the learner trains nothing and its CPU is bookkeeping.
 
 Reports rollouts/s and CPU milliseconds per rollout of each process (user + system, from
-/proc, over the steps after the first few), the broker and the Task App included. Writes
+/proc, over the steps after the first few), the broker (Apache Kafka's JVM) and the Task App
+included; the broker's resident memory (its JVM's VmRSS after each run, and its peak since
+it started, VmHWM); and how long the node took to start (LocalNode.start: its broker, the
+topics, users and ACLs, every service healthy), of which its broker (LocalBroker.start, the
+formatting of its log directory included, as on any first start). Writes
 bench/results/control_plane.{json,md}.
 
-With `--gateways 1,2,4` (the default), a node per count of gateway processes: each
-generator spreads its work items over them. `--before FILE` shows an earlier tree's result
-(its JSON) beside this run's. `--storages memory,durable` runs the same work on the
-embedded broker's memory engine and on its durable storage (rlnode's object store, a
-process of its own, measured too), a node each, both up, their rounds in turn, and writes
-bench/results/control_plane_storage.{json,md} instead.
+With `--gateways 1,2,4` (the default), a node per count of gateway processes, one after the
+other: each generator spreads its work items over them. `--before FILE` shows an earlier
+tree's result (its JSON) beside this run's.
 
-    python bench/control_plane.py [--steps 30] [--gateways 1,2,4] [--before old.json]
-    python bench/control_plane.py --gateways 1 --storages memory,durable
-    python bench/control_plane.py --gateways 1 --kafka-tls off,on
-
-`--kafka-tls off,on` likewise runs the same work on a node whose every Kafka client goes
-through the broker's TLS front (haproxy, client certificates; its CPU measured too) and on
-one without, and writes bench/results/control_plane_tls.{json,md}.
+    python bench/control_plane.py [--steps 30] [--gateways 1,2,4] [--repeats 2] [--before old.json]
 
 `--history 100000` measures a node as it ages (#36): the same job on a new node, then again
 once at least that many records of history were added to its topics, with the time a
-job's event listing takes at both ages; a node whose durable store applies the topics'
-retention and one that keeps everything (`--retention on,off`), one after the other, each
-alone on the machine. The history is copies of what the first job left on rollout-work,
-trajectories and job-events, produced as stored (key, value, headers: the services'
-signatures hold) in the batches the services' producers made of them (`--history-single`:
-one record a batch), by a few producers at once (`--history-senders`); the node's consumers
-read it as they would any record of a finished job. Writes
-bench/results/control_plane_aged.{json,md}.
+job's event listing takes at both ages; Kafka applies the topics' retention
+(rlnode.messages.topics.RETENTION) as on any node. The history is copies of what the first
+job left on rollout-work, trajectories and job-events, produced as stored (key, value,
+headers: the services' signatures hold) in the batches the services' producers made of them
+(read from the headers of Kafka's log segments; `--history-single`: one record a batch), by
+a few producers at once (`--history-senders`); the node's consumers read it as they would
+any record of a finished job. Writes bench/results/control_plane_aged.{json,md}.
 
-    python bench/control_plane.py --gateways 1 --history 100000 [--retention on]
+    python bench/control_plane.py --gateways 1 --history 100000
 """
 
 from __future__ import annotations
@@ -44,28 +38,33 @@ import asyncio
 import bisect
 import contextlib
 import json
+import os
 import statistics
+import struct
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import psutil
-from bench_common import copy_task_node, job_config, training_arguments, write_results
+from bench_common import (
+    copy_task_node,
+    job_config,
+    status_bytes,
+    training_arguments,
+    write_results,
+)
 
 from rlnode.bus import clients
+from rlnode.bus.localbroker import DEFAULT_HEAP, HEAP_ENV
 from rlnode.bus.reader import TopicReader
 from rlnode.messages import JobEventType, topics
 from rlnode.models.build import init_tiny_model
 from rlnode.node.chaos import BROKER, pid_of, targets, task_app_target
-from rlnode.node.local import FRONT, OBJECT_STORE
 
-NAMES = {
-    BROKER: "broker (Tansu)",
-    OBJECT_STORE: "broker's object store",
-    FRONT: "broker's TLS front (haproxy)",
-}
-
-
+BROKER_NAME = "broker (Apache Kafka)"
+NAMES = {BROKER: BROKER_NAME}
+MIB = 1024 * 1024
 MACHINE = "the whole machine"
 
 
@@ -79,6 +78,36 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     machine = psutil.cpu_times()
     used[MACHINE] = sum(machine) - machine.idle - getattr(machine, "iowait", 0.0)
     return used
+
+
+def broker_memory(node) -> dict[str, int]:
+    """The broker JVM's resident bytes now, and at their peak since it started."""
+    pid = node.broker.pid
+    return {
+        "broker_rss_bytes": status_bytes(pid, "VmRSS"),
+        "broker_peak_rss_bytes": status_bytes(pid, "VmHWM"),
+    }
+
+
+@contextlib.contextmanager
+def started_node(directory: Path, generator: dict[str, str], gateways: int) -> Iterator[tuple]:
+    """copy_task_node's node and org, and how long the node took to start, in seconds: the
+    whole (node_start_s: every service healthy), its broker (broker_start_s) and within
+    that the formatting of the broker's log directory (broker_format_s), as the node and its
+    broker recorded them."""
+    with copy_task_node(directory, generator, gateways) as (node, org):
+        assert node.broker is not None and node.broker.start_seconds is not None
+        took = {
+            "node_start_s": node.start_seconds,
+            "broker_start_s": node.broker.start_seconds,
+            "broker_format_s": node.broker.format_seconds or 0.0,
+        }
+        print(
+            f"{gateways} gateway(s): the node up in {took['node_start_s']:.1f} s, its broker "
+            f"in {took['broker_start_s']:.1f} s",
+            flush=True,
+        )
+        yield node, org, took
 
 
 async def run(node, org, model: Path, args, pids: dict[str, int]) -> dict:
@@ -108,8 +137,9 @@ async def run(node, org, model: Path, args, pids: dict[str, int]) -> dict:
         "rollouts_per_s": rollouts / (ended - started),
         "cpu_ms_per_rollout": cpu_ms,
         "cpu_ms_per_rollout_total": total,
-        # Everything else busy meanwhile (this benchmark's client, another node, the rest).
+        # Everything else busy meanwhile (this benchmark's client, the rest).
         "other_cpu_ms_per_rollout": max(0.0, machine - total),
+        **broker_memory(node),
     }
 
 
@@ -126,8 +156,8 @@ async def listing(node, org, job_id: str) -> dict:
 
 async def add_history(node, count: int, senders: int, single: bool) -> dict:
     """At least `count` records more on HISTORY_TOPICS: copies of what they hold now, sent
-    in the batches the services' producers made of them (read from the store's objects), or
-    with `single` one record a batch; `senders` producers, each with one batch in flight per
+    in the batches the services' producers made of them (read from Kafka's log), or with
+    `single` one record a batch; `senders` producers, each with one batch in flight per
     partition."""
     settings = node.kafka_settings()
     held: dict[tuple[str, int], list] = {}
@@ -149,8 +179,10 @@ async def add_history(node, count: int, senders: int, single: bool) -> dict:
         await producer.start()
     started = time.perf_counter()
 
-    async def send_batch(producer, topic: str, partition: int, group: list) -> None:
-        """`group` as one batch (more where it outgrows the producer's batch size)."""
+    async def send_batch(producer, topic: str, partition: int, group: list) -> int:
+        """`group` as one batch (more where it outgrows the producer's batch size); the
+        batches sent."""
+        sent = 1
         batch = producer.create_batch()
         for r in group:
             fields = {"timestamp": None, "key": r.key, "value": r.value, "headers": list(r.headers)}
@@ -159,17 +191,20 @@ async def add_history(node, count: int, senders: int, single: bool) -> dict:
                 await (await producer.send_batch(batch, topic, partition=partition))
                 batch = producer.create_batch()
                 batch.append(**fields)
+                sent += 1
         batch.close()
         await (await producer.send_batch(batch, topic, partition=partition))
+        return sent
 
-    async def copy(producer, topic: str, partition: int, groups: list, share: int) -> int:
+    async def copy(producer, topic: str, partition: int, groups: list, share: int) -> tuple:
+        """(records, batches) sent."""
+        sent = 0
         for _ in range(share):
             for group in groups:
-                await send_batch(producer, topic, partition, group)
-        return share * sum(len(group) for group in groups)
+                sent += await send_batch(producer, topic, partition, group)
+        return share * sum(len(group) for group in groups), sent
 
     shares = [rounds // senders + (i < rounds % senders) for i in range(senders)]
-    batches_before = stored_batches(node)
     try:
         sent = await asyncio.gather(
             *(
@@ -182,9 +217,9 @@ async def add_history(node, count: int, senders: int, single: bool) -> dict:
         for producer in producers:
             await producer.stop()
     return {
-        "history_records": sum(sent),
+        "history_records": sum(records for records, _ in sent),
         "history_s": time.perf_counter() - started,
-        "history_batches": stored_batches(node) - batches_before,
+        "history_batches": sum(batches for _, batches in sent),
         "history_senders": senders,
         "history_by_topic": {
             t: sum(len(rs) for (tt, _), rs in held.items() if tt == t) * rounds
@@ -194,11 +229,20 @@ async def add_history(node, count: int, senders: int, single: bool) -> dict:
 
 
 def batch_offsets(node, topic: str, partition: int) -> list[int]:
-    """The first offsets of the record batches the store holds for a partition (Tansu keeps
-    each batch as records/<offset>.batch)."""
-    cluster = node.data_dir / "broker" / "buckets" / "tansu" / "dclusters" / "drlnode"
-    records = cluster / "dtopics" / f"d{topic}" / "dpartitions" / f"d{partition:010d}" / "drecords"
-    return sorted(int(path.stem.removeprefix("o")) for path in records.glob("o*.batch"))
+    """The first offsets of the record batches Kafka's log holds for a partition: in a
+    segment (<topic>-<partition>/<first offset>.log) each batch opens with its first offset
+    (int64) and the length of the rest (int32)."""
+    offsets = []
+    for segment in sorted((node.broker.data_dir / f"{topic}-{partition}").glob("*.log")):
+        data = segment.read_bytes()
+        position = 0
+        while position + 12 <= len(data):
+            first, length = struct.unpack_from(">qi", data, position)
+            if length <= 0 or position + 12 + length > len(data):  # one still being written
+                break
+            offsets.append(first)
+            position += 12 + length
+    return offsets
 
 
 def as_stored(records: list, offsets: list[int]) -> list[list]:
@@ -210,109 +254,106 @@ def as_stored(records: list, offsets: list[int]) -> list[list]:
     return list(groups.values())
 
 
-def stored_batches(node) -> int:
-    """Record batches the broker's durable store holds now (one object each)."""
-    root = node.data_dir / "broker" / "buckets"
-    return sum(1 for _ in root.rglob("o*.batch"))
+def log_bytes(node) -> int:
+    """Bytes of the broker's log segments, every topic's (not the indexes: Kafka sizes an
+    active segment's index files ahead)."""
+    size = 0
+    for segment in node.broker.data_dir.rglob("*.log"):
+        with contextlib.suppress(FileNotFoundError):  # a segment retention deleted meanwhile
+            size += segment.stat().st_size
+    return size
 
 
-def aged(args, model: Path, tmp: Path, generator: dict) -> None:
-    """--history: per retention setting (`--retention`), a node of its own, alone on the
-    machine: the job on it new, the history, a pause, the job again. One node at a time: an
-    aged node left up beside another costs it CPU (its consumers' idle fetches list every
-    stored batch), which is not the other's ageing."""
+def aged(args, model: Path, tmp: Path, generator: dict[str, str]) -> None:
+    """--history: a node alone on the machine: the job on it new, the history, a pause, the
+    job again."""
     runs: list[dict] = []
-    for retention in args.retention:
-        with copy_task_node(
-            tmp / f"node-aged-{retention}", generator, 1, "durable", broker_retention=retention
-        ) as (node, org):
-            pids = process_pids(node, org)
-            first = ""
-            for age in ("new", "aged"):
-                if age == "aged":
-                    added = asyncio.run(
-                        add_history(node, args.history, args.history_senders, args.history_single)
-                    )
-                    print(
-                        f"retention {retention}: {added['history_records']} records added "
-                        f"in {added['history_s']:.0f} s",
-                        flush=True,
-                    )
-                    runs.append({"retention": retention, "age": "history", **added})
-                    # The store's sweep (every 30 s) deletes once-read records 5 minutes
-                    # old; a job's listing reads from 5 minutes before the job was made
-                    # (clocks), so the history must be older than that to be out of its
-                    # way, as on a node whose 1,000 jobs ran over days.
-                    time.sleep(args.history_settle_s)
-                result = asyncio.run(run(node, org, model, args, pids))
-                first = first or result["job_id"]
-                result |= asyncio.run(listing(node, org, result["job_id"]))
-                first_listing = asyncio.run(listing(node, org, first))
-                result |= {
-                    "retention": retention,
-                    "age": age,
-                    "first_job_listing_s": first_listing["listing_s"],
-                    "stored_batches": stored_batches(node),
-                }
-                runs.append(result)
+    with started_node(tmp / "node-aged", generator, 1) as (node, org, took):
+        pids = process_pids(node, org)
+        first = ""
+        for age in ("new", "aged"):
+            if age == "aged":
+                added = asyncio.run(
+                    add_history(node, args.history, args.history_senders, args.history_single)
+                )
                 print(
-                    f"retention {retention}, {age}: {result['rollouts_per_s']:.0f} rollouts/s, "
-                    f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout (others "
-                    f"{result['other_cpu_ms_per_rollout']:.2f}), listing "
-                    f"{result['listing_s']:.2f} s ({result['listed_events']} events), "
-                    f"{result['stored_batches']} batches stored",
+                    f"{added['history_records']} records added in {added['history_s']:.0f} s",
                     flush=True,
                 )
-    rows = []
-    for retention in args.retention:
-        new, old = (
-            next(r for r in runs if r["retention"] is retention and r["age"] == age)
-            for age in ("new", "aged")
-        )
-        history = next(r for r in runs if r["retention"] is retention and r["age"] == "history")
-        broker_ms = [
-            sum(v for k, v in r["cpu_ms_per_rollout"].items() if k in NAMES.values())
-            for r in (new, old)
-        ]
-        rows.append(
-            f"| {'on' if retention else 'off (keeps everything)'} "
-            f"| {history['history_records']} ({history['history_batches']} batches) in "
-            f"{history['history_s'] / 60:.0f} min "
-            f"| {new['rollouts_per_s']:.0f} -> {old['rollouts_per_s']:.0f} "
-            f"(**{old['rollouts_per_s'] / new['rollouts_per_s']:.2f}x**) "
-            f"| {new['cpu_ms_per_rollout_total']:.2f} -> {old['cpu_ms_per_rollout_total']:.2f} "
-            f"| {broker_ms[0]:.2f} -> {broker_ms[1]:.2f} "
-            f"| {new['other_cpu_ms_per_rollout']:.2f} -> {old['other_cpu_ms_per_rollout']:.2f} "
-            f"| {new['listing_s']:.2f} -> {old['listing_s']:.2f} "
-            f"| {new['first_job_listing_s']:.2f} -> {old['first_job_listing_s']:.2f} "
-            f"| {new['stored_batches']} -> {old['stored_batches']} |"
-        )
+                runs.append({"age": "history", **added})
+                # A job's listing reads from 5 minutes before the job was made (clocks), so
+                # the history must be older than that to be out of its way, as on a node
+                # whose 1,000 jobs ran over days.
+                time.sleep(args.history_settle_s)
+            result = asyncio.run(run(node, org, model, args, pids))
+            first = first or result["job_id"]
+            result |= asyncio.run(listing(node, org, result["job_id"]))
+            first_listing = asyncio.run(listing(node, org, first))
+            result |= {
+                "age": age,
+                "first_job_listing_s": first_listing["listing_s"],
+                "log_bytes": log_bytes(node),
+                **took,
+            }
+            runs.append(result)
+            print(
+                f"{age}: {result['rollouts_per_s']:.0f} rollouts/s, "
+                f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout (others "
+                f"{result['other_cpu_ms_per_rollout']:.2f}), listing "
+                f"{result['listing_s']:.2f} s ({result['listed_events']} events), "
+                f"broker {result['broker_rss_bytes'] / MIB:.0f} MiB resident, "
+                f"log {result['log_bytes'] / MIB:.1f} MiB",
+                flush=True,
+            )
+    new, old, history = (
+        next(r for r in runs if r["age"] == age) for age in ("new", "aged", "history")
+    )
+    broker_ms = [r["cpu_ms_per_rollout"].get(BROKER_NAME, 0.0) for r in (new, old)]
     table = [
-        "| retention | records of history added | rollouts/s, new -> aged | CPU ms per rollout "
-        "| of which the broker's and its store's | CPU ms per rollout of the rest of the "
-        "machine | listing the job's events (s) | listing the first job's events (s) "
-        "| batches stored |",
+        "| records of history added | rollouts/s, new -> aged | CPU ms per rollout "
+        "| of which the broker's | CPU ms per rollout of the rest of the machine "
+        "| broker's peak RSS (MiB) | listing the job's events (s) "
+        "| listing the first job's events (s) | the broker's log segments (MiB) |",
         "|---|---|---|---|---|---|---|---|---|",
-        *rows,
+        f"| {history['history_records']} ({history['history_batches']} batches) in "
+        f"{history['history_s'] / 60:.0f} min "
+        f"| {new['rollouts_per_s']:.0f} -> {old['rollouts_per_s']:.0f} "
+        f"(**{old['rollouts_per_s'] / new['rollouts_per_s']:.2f}x**) "
+        f"| {new['cpu_ms_per_rollout_total']:.2f} -> {old['cpu_ms_per_rollout_total']:.2f} "
+        f"| {broker_ms[0]:.2f} -> {broker_ms[1]:.2f} "
+        f"| {new['other_cpu_ms_per_rollout']:.2f} -> {old['other_cpu_ms_per_rollout']:.2f} "
+        f"| {new['broker_peak_rss_bytes'] / MIB:.0f} -> {old['broker_peak_rss_bytes'] / MIB:.0f} "
+        f"| {new['listing_s']:.2f} -> {old['listing_s']:.2f} "
+        f"| {new['first_job_listing_s']:.2f} -> {old['first_job_listing_s']:.2f} "
+        f"| {new['log_bytes'] / MIB:.1f} -> {old['log_bytes'] / MIB:.1f} |",
         "",
         f"The same job ({args.steps} steps of {args.prompts} x {args.group}, instant engine, "
         "copy-task Task App) on a new node and again after the history (copies of the first "
         "job's records on rollout-work, trajectories and job-events, in the batches they "
         f"were stored in{' (one record a batch)' if args.history_single else ''}), "
-        f"{args.history_settle_s:.0f} s later; each node's own job listed right after it ends "
+        f"{args.history_settle_s:.0f} s later; the node's own job listed right after it ends "
         "(ids carry their time: read from 5 minutes before it), and its first job listed "
         f"then too (read from before the history). The history sent by "
         f"{args.history_senders} producers, each one record in flight per partition. One node "
-        "at a time on the machine, on durable storage; the rest of the machine's CPU is "
-        "this benchmark's own client and whatever else ran.",
+        "on the machine, its broker Apache Kafka with rlnode's topic retention (a day or a "
+        "week: none of the history is old enough to go within the run); the rest of the "
+        "machine's CPU is this benchmark's own client and whatever else ran. The node "
+        f"started in {took['node_start_s']:.1f} s, its broker in {took['broker_start_s']:.1f} "
+        f"s (heap: {broker_heap()}).",
     ]
     write_results(
         "control_plane_aged",
         args,
-        "B8 as the node ages: the embedded broker with retention and without",
+        "B8 as the node ages: the same job on a new node and after a history of records",
         table,
         runs=runs,
+        broker_heap=broker_heap(),
     )
+
+
+def broker_heap() -> str:
+    """The JVM heap options the node's broker ran with (kafka-server-start.sh's variable)."""
+    return os.environ.get(HEAP_ENV, DEFAULT_HEAP)
 
 
 def process_pids(node, org) -> dict[str, int]:
@@ -345,23 +386,10 @@ def main() -> None:
         "--gateways", default="1,2,4", help="gateway counts to run, a node each (default 1,2,4)"
     )
     parser.add_argument(
-        "--storages",
-        default="durable",
-        help="the embedded broker's storage, a node each: memory, durable (the default "
-        "node's) or both, compared (memory,durable)",
-    )
-    parser.add_argument(
-        "--kafka-tls",
-        default="off",
-        help="off, on (every Kafka client through the broker's TLS front) or both, compared "
-        "(off,on)",
-    )
-    parser.add_argument(
         "--history",
         type=int,
         default=0,
-        help="records of history to add between two runs of the job, on a node with "
-        "retention and one without (writes control_plane_aged)",
+        help="records of history to add between two runs of the job (writes control_plane_aged)",
     )
     parser.add_argument(
         "--history-senders",
@@ -374,12 +402,6 @@ def main() -> None:
         action="store_true",
         help="send the history one record a batch (the default: in the batches the "
         "services' producers made of the first job's records, as stored)",
-    )
-    parser.add_argument(
-        "--retention",
-        type=lambda v: [{"on": True, "off": False}[x] for x in v.split(",")],
-        default=[True, False],
-        help="with --history: on, off or both (on,off, the default), a node each in turn",
     )
     parser.add_argument(
         "--history-settle-s",
@@ -395,11 +417,6 @@ def main() -> None:
     )
     args = parser.parse_args()
     counts = [int(c) for c in args.gateways.split(",")]
-    storages = args.storages.split(",")
-    fronts = [{"off": False, "on": True}[v] for v in args.kafka_tls.split(",")]
-    # A node per (storage, TLS front) variant.
-    variants = [(storage, tls) for storage in storages for tls in fronts]
-    compared = len(variants) > 1
     generator = {
         "GENERATOR_ENGINE": "instant",
         "GENERATOR_CONCURRENCY": "256",
@@ -414,39 +431,21 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "tiny", seed=0)
         for count in counts:
-            # One node per storage, up together, their rounds taken in turn: a machine whose
-            # load moves during the run moves both alike (an idle node costs ~3% of a core).
-            with contextlib.ExitStack() as nodes:
-                running = {
-                    (storage, tls): nodes.enter_context(
-                        copy_task_node(
-                            Path(tmp) / f"node-{storage}-{tls}-{count}",
-                            generator,
-                            count,
-                            storage,
-                            kafka_tls=tls,
-                        )
-                    )
-                    for storage, tls in variants
-                }
-                pids = {variant: process_pids(*running[variant]) for variant in variants}
+            with started_node(Path(tmp) / f"node-{count}", generator, count) as (node, org, took):
+                pids = process_pids(node, org)
                 for round_ in range(args.repeats):
-                    for (storage, tls), (node, org) in running.items():
-                        result = asyncio.run(run(node, org, model, args, pids[storage, tls]))
-                        result |= {"gateways": count, "storage": storage, "kafka_tls": tls}
-                        runs.append(result)
-                        print(
-                            f"{label(storage, tls)}, {count} gateway(s), round {round_ + 1}: "
-                            f"{result['rollouts_per_s']:.0f} rollouts/s, "
-                            f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout",
-                            flush=True,
-                        )
+                    result = asyncio.run(run(node, org, model, args, pids))
+                    result |= {"gateways": count, **took}
+                    runs.append(result)
+                    print(
+                        f"{count} gateway(s), round {round_ + 1}: "
+                        f"{result['rollouts_per_s']:.0f} rollouts/s, "
+                        f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout, broker "
+                        f"{result['broker_rss_bytes'] / MIB:.0f} MiB resident",
+                        flush=True,
+                    )
     columns = [
-        (
-            (f"{label(r['storage'], r['kafka_tls'])}, " if compared else "")
-            + f"{r['gateways']} gw, run {i + 1}",
-            by_service(r["cpu_ms_per_rollout"]),
-        )
+        (f"{r['gateways']} gw, run {i + 1}", by_service(r["cpu_ms_per_rollout"]))
         for i, r in enumerate(runs)
     ]
     before = None
@@ -488,45 +487,41 @@ def main() -> None:
         f" ({args.prompts} prompts x {args.group} samples a step), with an engine that answers "
         "at once: what the services cost around generation (goal: 2 ms in all).",
         "",
-        "| broker | gateways | rollouts/s (median) | CPU ms per rollout (median) "
-        "| of which the broker's, its store's and its front's (median) |",
-        "|---|---|---|---|---|",
-        *(summary(runs, storage, tls, count) for storage, tls in variants for count in counts),
+        "| gateways | rollouts/s (median) | CPU ms per rollout (median) "
+        "| of which the broker's (median) | broker's RSS after a run, peak since its start "
+        "(MiB) | node start (s) | of which the broker's (s) |",
+        "|---|---|---|---|---|---|---|",
+        *(summary(runs, count) for count in counts),
+        "",
+        "The broker's RSS is its JVM's (VmRSS, VmHWM) with the heap it ran with "
+        f"(`{HEAP_ENV}`: {broker_heap()}). Node start: LocalNode.start, from nothing to every "
+        "service healthy (its broker, the topics, the services' Kafka users and ACLs "
+        "included); the broker's: LocalBroker.start, formatting its log directory included.",
     ]
-    name, title = "control_plane", ""
-    if len(fronts) > 1:
-        name, title = "control_plane_tls", ": Kafka through the broker's TLS front, and not"
-    elif len(storages) > 1:
-        name, title = "control_plane_storage", ": the broker's memory engine and durable storage"
     write_results(
-        name,
+        "control_plane",
         args,
-        "B8: the control plane's cost per rollout (instant engine, copy-task Task App)" + title,
+        "B8: the control plane's cost per rollout (instant engine, copy-task Task App)",
         table,
         runs=runs,
         before=before,
+        broker_heap=broker_heap(),
     )
 
 
-def label(storage: str, tls: bool) -> str:
-    return f"{storage}{', TLS front' if tls else ''}"
-
-
-def summary(runs: list[dict], storage: str, tls: bool, count: int) -> str:
-    """A row of medians over the runs of one variant and gateway count."""
-    mine = [
-        r
-        for r in runs
-        if r["storage"] == storage and r.get("kafka_tls", False) == tls and r["gateways"] == count
-    ]
-    broker = [
-        sum(v for k, v in r["cpu_ms_per_rollout"].items() if k in NAMES.values()) for r in mine
-    ]
+def summary(runs: list[dict], count: int) -> str:
+    """A row of medians over the runs of one gateway count (a node of its own)."""
+    mine = [r for r in runs if r["gateways"] == count]
+    broker = [r["cpu_ms_per_rollout"].get(BROKER_NAME, 0.0) for r in mine]
     return (
-        f"| {label(storage, tls)} | {count} | "
+        f"| {count} | "
         f"{statistics.median(r['rollouts_per_s'] for r in mine):.0f} | "
         f"{statistics.median(r['cpu_ms_per_rollout_total'] for r in mine):.2f} | "
-        f"{statistics.median(broker):.2f} |"
+        f"{statistics.median(broker):.2f} | "
+        f"{statistics.median(r['broker_rss_bytes'] for r in mine) / MIB:.0f}, "
+        f"{max(r['broker_peak_rss_bytes'] for r in mine) / MIB:.0f} | "
+        f"{mine[0]['node_start_s']:.1f} | "
+        f"{mine[0]['broker_start_s']:.1f} (format {mine[0].get('broker_format_s', 0.0):.1f}) |"
     )
 
 

@@ -217,7 +217,7 @@ def main() -> None:
     with (
         tempfile.TemporaryDirectory() as tmp,
         tempfile.TemporaryDirectory(dir=weights_dir) as weights,
-        LocalBroker() as broker,
+        LocalBroker(Path(tmp) / "broker") as broker,  # open (PLAINTEXT, no users): the bus alone
     ):
         settings = KafkaSettings(bootstrap_servers=broker.bootstrap_servers)
         from rlnode.bus import ensure_topics

@@ -1,21 +1,18 @@
 """Kill any part of a running node and lose nothing. On the embedded node (`rlnode up`'s:
-its own broker on durable storage, every service a process, supervision restarting what
-dies), a job is running when one process is SIGKILLed mid-step: the broker, its object
-store, the vault, either gateway (the one that runs the managed Task App, or the second,
-which only runs rollouts), the generator, the learner, the checkpoint-server or the managed
-Task App. The job completes; the chain of its checkpoints trained each work item exactly
-once; every step of the run that finished it shows once in `train.step`; checkpoints
-served before the kill still are; every job request, job event and dead letter the broker
-held before the kill it still holds. On the memory engine (`--broker-storage memory`) a
-killed broker takes its records with it: the services start again and the learner resumes
-the job from its last checkpoint, still training each item once."""
+its own Apache Kafka, every service a process, supervision restarting what dies), a job is
+running when one process is SIGKILLed mid-step: the broker, the vault, either gateway (the
+one that runs the managed Task App, or the second, which only runs rollouts), the
+generator, the learner, the checkpoint-server or the managed Task App. The job completes;
+the chain of its checkpoints trained each work item exactly once; every step of the run
+that finished it shows once in `train.step`; checkpoints served before the kill still are;
+every job request, job event and dead letter the broker held before the kill it still
+holds, and a killed broker made no service start again."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Literal
 
 import psutil
 import pytest
@@ -27,7 +24,7 @@ from rlnode.messages import JobEventType, topics
 from rlnode.models.build import init_tiny_model
 from rlnode.node import chaos
 from rlnode.node.chaos import BROKER, Supervision, learner_jobs, task_app_target
-from rlnode.node.local import OBJECT_STORE, LocalNode, NodeOptions, Org
+from rlnode.node.local import LocalNode, NodeOptions, Org
 from rlnode.sdk.checkpoints import CheckpointClient
 from rlnode.service.registry import CHECKPOINT_SERVER, GATEWAY, LEARNER, VAULT
 from rlnode.testing import unique_id
@@ -41,13 +38,13 @@ TASK_APP = "copy"
 Running = tuple[LocalNode, Org, Path, Supervision]
 
 
-def _node(tmp_path_factory, storage: Literal["memory", "durable"]) -> Iterator[Running]:
-    directory = tmp_path_factory.mktemp(f"chaos-{storage}")
+@pytest.fixture(scope="module")
+def node(tmp_path_factory) -> Iterator[Running]:
+    directory = tmp_path_factory.mktemp("chaos")
     options = NodeOptions(
         data_dir=directory / "node",
         env={"rollout-generator": {"GENERATOR_CONCURRENCY": "16"}},
         gateways=2,  # the generator spreads its work over both; either may be killed
-        broker_storage=storage,
     )
     with LocalNode(options) as running:
         org = running.create_org(unique_id("org"), {"ENVIRONMENT_API_KEY": unique_id("tk")})
@@ -59,19 +56,6 @@ def _node(tmp_path_factory, storage: Literal["memory", "durable"]) -> Iterator[R
             yield running, org, model, supervision
         finally:
             supervision.stop()
-
-
-@pytest.fixture(scope="module")
-def node(tmp_path_factory) -> Iterator[Running]:
-    yield from _node(tmp_path_factory, "durable")
-
-
-@pytest.fixture
-def memory_node(tmp_path_factory) -> Iterator[Running]:
-    """Used by one test, which runs before the durable node's (file order) and takes its node
-    down when it ends: two nodes up at once, one restarting services on ports picked free,
-    once had the other's gateway answer on a port this one was given."""
-    yield from _node(tmp_path_factory, "memory")
 
 
 def alive(pid: int) -> bool:
@@ -118,11 +102,6 @@ def dead_letter_one(node: LocalNode, supervision: Supervision) -> None:
 
 
 @pytest.mark.timeout(600)
-def test_a_job_survives_a_sigkill_of_the_broker_in_memory(memory_node: Running) -> None:
-    survives(memory_node, BROKER)
-
-
-@pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "target",
     [
@@ -134,7 +113,6 @@ def test_a_job_survives_a_sigkill_of_the_broker_in_memory(memory_node: Running) 
         f"{GATEWAY.name}/gw1",
         LEARNER.name,
         BROKER,
-        OBJECT_STORE,
     ],
 )
 def test_a_job_survives_a_sigkill_of(node: Running, target: str) -> None:
@@ -143,7 +121,6 @@ def test_a_job_survives_a_sigkill_of(node: Running, target: str) -> None:
 
 def survives(node: Running, target: str) -> None:
     running, org, model, supervision = node
-    durable = running.object_store is not None
     config = example_job(
         "copy_task",
         model,
@@ -158,7 +135,7 @@ def survives(node: Running, target: str) -> None:
         async with running.jobs(org, "chaos") as jobs:
             return await jobs.start(config, unique_id("chaos"))
 
-    if durable and target in (BROKER, OBJECT_STORE):  # a dead letter it must keep
+    if target == BROKER:  # a dead letter it must keep
         dead_letter_one(running, supervision)
     job_id = asyncio.run(start())
     # Mid-job: a checkpoint is served and training goes on past it.
@@ -210,9 +187,7 @@ def survives(node: Running, target: str) -> None:
     assert chaos.trained_once(checkpoints, job_id, STEPS, PROMPTS, GROUP) == (0, 0)
 
     # The run that finished the job reported each of its steps once. (A learner that is
-    # killed trains the steps after its last checkpoint again, in a run of its own; so does
-    # the learner started again with the services when a broker in memory dies, whose
-    # events from before are gone with it.)
+    # killed trains the steps after its last checkpoint again, in a run of its own.)
     events = running.job_events(org, job_id, "chaos-watcher")
     starts = [i for i, e in enumerate(events) if e.type is JobEventType.STARTED]
     assert starts, [e.type for e in events]
@@ -220,12 +195,12 @@ def survives(node: Running, target: str) -> None:
     steps = [e.data["step"] for e in last_run if e.type is JobEventType.TRAIN_STEP]
     resumed_from = STEPS - len(steps)
     assert steps == list(range(resumed_from + 1, STEPS + 1)), steps
-    if target != LEARNER.name and (durable or target != BROKER):
+    if target != LEARNER.name:
         assert len(starts) == 1 and resumed_from == 0
-    if durable:  # every request, event and dead letter from before the kill is still there
-        lost = held_before - asyncio.run(chaos.held_records(running))
-        assert not lost, sorted(lost)[:5]
-    if durable and target in (BROKER, OBJECT_STORE):  # and no service had to start again
+    # Every request, event and dead letter from before the kill is still there.
+    lost = held_before - asyncio.run(chaos.held_records(running))
+    assert not lost, sorted(lost)[:5]
+    if target == BROKER:  # and no service had to start again
         assert any(topic == topics.DEAD_LETTERS for topic, *_ in held_before)
         services = {key: n for key, n in running.restarts.items() if key in running.processes}
         assert services == {k: n for k, n in restarts_before.items() if k in running.processes}

@@ -10,6 +10,7 @@ import sys
 
 from rlnode.bus.localbroker import free_port
 from rlnode.messages import topics
+from rlnode.testing import processes_with
 
 RLNODE = [sys.executable, "-m", "rlnode.cli"]
 
@@ -28,7 +29,7 @@ def test_doctor_passes_on_the_embedded_defaults(tmp_path) -> None:
         timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "embedded Tansu" in result.stdout
+    assert "the node's Apache Kafka" in result.stdout
     assert "all 10 checks passed" in result.stdout
     for name in (
         "credential-vault",
@@ -97,6 +98,7 @@ def test_topics_create_on_a_running_broker(kafka_broker) -> None:
 
 
 def test_broker_command_serves_until_sigterm(tmp_path) -> None:
+    """`rlnode broker`: the node's Kafka alone, and the exports that log in as its admin."""
     port = free_port()
     proc = subprocess.Popen(
         [*RLNODE, "broker", "--port", str(port)],
@@ -106,12 +108,32 @@ def test_broker_command_serves_until_sigterm(tmp_path) -> None:
         text=True,
     )
     try:
-        lines = [proc.stdout.readline() for _ in range(3)]
-        assert lines[0].startswith(f"broker ready on 127.0.0.1:{port}"), lines
-        assert f"export KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:{port}" in lines[2]
+        assert proc.stdout is not None
+        first = proc.stdout.readline()
+        assert first.startswith(f"Apache Kafka ready on 127.0.0.1:{port}"), first
+        exports = {}
+        while (line := proc.stdout.readline()) and not line.startswith("Ctrl-C"):
+            if line.strip().startswith("export "):
+                name, value = line.strip().removeprefix("export ").split("=", 1)
+                exports[name] = value
+        assert exports["KAFKA_BOOTSTRAP_SERVERS"] == f"127.0.0.1:{port}"
+        assert exports["KAFKA_SASL_USERNAME"] == "admin", exports
+        # What it printed logs in: the topics are there, as the admin sees them.
+        listed = subprocess.run(
+            [*RLNODE, "topics", "create"],
+            env=_env(**exports),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        assert all(f"{name}" in listed.stdout for name in topics.ALL_TOPICS)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=20) == 0
+        assert proc.wait(timeout=60) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+        # The broker's JVM runs in a session of its own: gone with it, or killed here.
+        for pid in processes_with(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)

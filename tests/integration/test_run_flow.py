@@ -18,6 +18,8 @@ import openai
 import pytest
 import torch
 
+from rlnode.bus.acls import confluent_config
+from rlnode.bus.clients import connection
 from rlnode.bus.reader import TopicReader
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import example_job
@@ -73,12 +75,36 @@ def node(tmp_path_factory):
         yield running, org, config, directory
 
 
-def cli(node, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def org_kafka_login(running: LocalNode, org_id: str) -> dict:
+    """`rlnode kafka-credentials ORG --json` as the node's operator runs it: the org's login
+    for a Kafka client of its own (env), and its events topic."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")}
+    issued = run_rlnode(
+        env | {"RLNODE_DATA_DIR": str(running.data_dir)},
+        "kafka-credentials",
+        org_id,
+        "--json",
+        timeout=120,
+    )
+    assert issued.returncode == 0, issued.stdout + issued.stderr
+    return json.loads(issued.stdout)
+
+
+@pytest.fixture(scope="module")
+def org_login(node) -> dict:
+    running, org, _config, _directory = node
+    return org_kafka_login(running, org.org_id)
+
+
+def cli(
+    node, *args: str, timeout: float = 600, login: dict | None = None
+) -> subprocess.CompletedProcess:
     running, org, _config, directory = node
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")},
         "RLNODE_TOKEN": org.token,
-        "KAFKA_BOOTSTRAP_SERVERS": running.bootstrap,
+        # The org's own Kafka login, as its user has it; else the operator's.
+        **(login["env"] if login else running.kafka_settings().connection_env()),
         "RLNODE_CHECKPOINT_URL": running.url("checkpoint-server"),
         "RLNODE_VAULT_URL": running.url("credential-vault"),
         "RLNODE_DATA_DIR": str(directory / "user"),
@@ -448,21 +474,26 @@ def raw_start_request(node, job_id: str) -> dict:
     }
 
 
-async def test_any_kafka_client_can_drive_a_job(node) -> None:
-    """A plain aiokafka producer and consumer: raw JSON in, raw JSON out."""
+async def test_any_kafka_client_can_drive_a_job(node, org_login) -> None:
+    """A plain aiokafka producer and consumer with the org's own login: raw JSON in, raw JSON
+    out of the org's events topic, in a consumer group named as the org's may be."""
     from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
     running, org, _config, _directory = node
     job_id = unique_id("raw")
     request = await asyncio.to_thread(raw_start_request, node, job_id)
-    producer = AIOKafkaProducer(bootstrap_servers=running.bootstrap)
+    login = connection(KafkaSettings.from_exports(org_login["env"]))
+    producer = AIOKafkaProducer(**login)
     await producer.start()
     await producer.send_and_wait(
         topics.JOB_REQUESTS, json.dumps(request).encode(), key=job_id.encode()
     )
     await producer.stop()
     consumer = AIOKafkaConsumer(
-        topics.JOB_EVENTS, bootstrap_servers=running.bootstrap, auto_offset_reset="earliest"
+        org_login["events_topic"],
+        **login,
+        group_id=org_login["group_prefix"] + unique_id("raw"),
+        auto_offset_reset="earliest",
     )
     await consumer.start()
     seen = []
@@ -484,29 +515,27 @@ async def test_any_kafka_client_can_drive_a_job(node) -> None:
     assert replay[0] == "job.accepted" and "job.completed" in replay
 
 
-def test_confluent_kafka_drives_a_job(node) -> None:
+def test_confluent_kafka_drives_a_job(node, org_login) -> None:
     """librdkafka's client (confluent-kafka; kcat and most non-Python clients are built on
-    it) starts a job and reads its events. Its consumer groups wait for their first
-    partitions half the session timeout on the embedded broker: the README says to pass
-    session.timeout.ms=6000 (librdkafka's default, 45 s, means ~23 s)."""
+    it) with the org's own login starts a job and reads its events."""
     from confluent_kafka import Consumer, Producer
 
-    running, _org, _config, _directory = node
     job_id = unique_id("confluent")
-    producer = Producer({"bootstrap.servers": running.bootstrap})
+    login = confluent_config(KafkaSettings.from_exports(org_login["env"]))
+    producer = Producer(login)
     producer.produce(
         topics.JOB_REQUESTS, json.dumps(raw_start_request(node, job_id)).encode(), job_id
     )
     assert producer.flush(30) == 0, "the request was not delivered"
     consumer = Consumer(
-        {
-            "bootstrap.servers": running.bootstrap,
-            "group.id": unique_id("confluent"),
+        login
+        | {
+            "group.id": org_login["group_prefix"] + unique_id("confluent"),
             "auto.offset.reset": "earliest",
             "session.timeout.ms": 6000,
         }
     )
-    consumer.subscribe([topics.JOB_EVENTS])
+    consumer.subscribe([org_login["events_topic"]])
     seen: list[str] = []
     deadline = time.monotonic() + 300
     try:
@@ -519,6 +548,47 @@ def test_confluent_kafka_drives_a_job(node) -> None:
     finally:
         consumer.close()
     assert seen and seen[0] == "job.accepted" and seen[-1] == "job.completed", seen
+
+
+def test_kcat_reads_the_orgs_events(node, org_login, finished_job) -> None:
+    """The README's kcat line, with the org's login: the finished job's events, from the org's
+    own topic; and the shared topic, which is not the org's, refused."""
+    env = {**os.environ, **org_login["env"]}
+    login = [
+        "-b",
+        env["KAFKA_BOOTSTRAP_SERVERS"],
+        "-X",
+        "security.protocol=SASL_SSL",
+        "-X",
+        "sasl.mechanisms=SCRAM-SHA-512",
+        "-X",
+        f"sasl.username={env['KAFKA_SASL_USERNAME']}",
+        "-X",
+        f"sasl.password={env['KAFKA_SASL_PASSWORD']}",
+        "-X",
+        f"ssl.ca.location={env['KAFKA_SSL_CAFILE']}",
+    ]
+    read = ["-C", "-o", "beginning", "-e", "-f", "%k %s\n"]
+    own = subprocess.run(
+        ["kcat", *login, *read, "-t", org_login["events_topic"]],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert own.returncode == 0, own.stderr
+    types = [
+        json.loads(line.split(" ", 1)[1])["type"]
+        for line in own.stdout.splitlines()
+        if line.startswith(finished_job + " ")
+    ]
+    assert types[0] == "job.accepted" and types[-1] == "job.completed", types
+    shared = subprocess.run(
+        ["kcat", *login, *read, "-t", topics.JOB_EVENTS],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert shared.returncode != 0 and "authoriz" in shared.stderr.lower(), shared.stderr
 
 
 def test_a_tool_calling_task_trains_through_the_node_and_its_checkpoint_calls_tools(
@@ -557,7 +627,7 @@ def test_a_tool_calling_task_trains_through_the_node_and_its_checkpoint_calls_to
 
     async def trajectories() -> list[Trajectory]:
         found: list[Trajectory] = []
-        settings = KafkaSettings(bootstrap_servers=running.bootstrap)
+        settings = running.kafka_settings()
         async with TopicReader(settings, topics.TRAJECTORIES, service="test", key=job_id) as reader:
             while not reader.caught_up.is_set():
                 for record in await reader.fetch():

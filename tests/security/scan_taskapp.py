@@ -2,8 +2,7 @@
 on the machine it runs on: every listening TCP port (read from /proc/net/tcp and tcp6)
 with a raw connect, then HTTP and a Kafka client on whatever answered; the node's broker
 as a Kafka client (reading `rlnode.job-events` and `rlnode.trajectories`, joining the
-`learner` group); the broker's object store, the learner's weight route and the vault
-over HTTP. It reports one JSON line (`SCAN {...}`) on stdout and then plays the copy task
+`learner` group); the learner's weight route and the vault over HTTP. It reports one JSON line (`SCAN {...}`) on stdout and then plays the copy task
 honestly, so its own job trains.
 
 Run by tests/security/test_taskapp_network.py; reads TARGET_* from its registration env."""
@@ -130,7 +129,6 @@ async def probe(inference_url: str) -> dict[str, Any]:
         "job_events": await kafka_reads(bootstrap, "rlnode.job-events", None),
         "trajectories": await kafka_reads(bootstrap, "rlnode.trajectories", None),
         "learner_group": await kafka_reads(bootstrap, "rlnode.trajectories", "learner"),
-        "object_store": http_status(env["TARGET_OBJECTSTORE_URL"] + "/tansu?list-type=2"),
         "weights": http_status(env["TARGET_WEIGHTS_URL"]),
         "vault": http_status(env["TARGET_VAULT_URL"] + "/health"),
     }

@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from rlnode.bus import KafkaSettings
+from rlnode.bus.clients import connection
 from rlnode.examples import example_job
 from rlnode.messages import JobEvent, JobEventType, Trajectory, WeightVersion, topics
 from rlnode.messages.codec import encode
@@ -25,9 +27,10 @@ from rlnode.testing import unique_id
 from tests.security.conftest import AttackedNode
 
 
-async def forge(bootstrap: str, *records) -> None:
-    """Publish as anyone can: a plain producer, no signature (or a made-up one)."""
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap)
+async def forge(settings: KafkaSettings, *records) -> None:
+    """Publish as someone who may write the topics (the admin's login, which no ACL stops:
+    the worst case), with no signature (or a made-up one)."""
+    producer = AIOKafkaProducer(**connection(settings))
     await producer.start()
     try:
         for topic, record in records:
@@ -39,12 +42,14 @@ async def forge(bootstrap: str, *records) -> None:
         await producer.stop()
 
 
-async def dead_letters_of(bootstrap: str, record_ids: set[str], within_s: float = 60) -> dict:
+async def dead_letters_of(
+    settings: KafkaSettings, record_ids: set[str], within_s: float = 60
+) -> dict:
     """{forged record id: the dead letter's reason}, once every one has a dead letter."""
     found: dict[str, str] = {}
     deadline = asyncio.get_running_loop().time() + within_s
     consumer = AIOKafkaConsumer(
-        topics.DEAD_LETTERS, bootstrap_servers=bootstrap, auto_offset_reset="earliest"
+        topics.DEAD_LETTERS, **connection(settings), auto_offset_reset="earliest"
     )
     await consumer.start()
     try:
@@ -94,14 +99,14 @@ async def test_forged_checkpoint_and_weight_records_change_nothing(attacked: Att
         }
     )
     await forge(
-        node.bootstrap,
+        node.kafka_settings(),
         (topics.JOB_EVENTS, hijack),
         (topics.JOB_EVENTS, extra),
         (topics.WEIGHT_VERSIONS, passwd),
         (topics.WEIGHT_VERSIONS, foreign),
     )
     reasons = await dead_letters_of(
-        node.bootstrap, {str(r.id) for r in (hijack, extra, passwd, foreign)}
+        node.kafka_settings(), {str(r.id) for r in (hijack, extra, passwd, foreign)}
     )
     assert all("certificate" in r or "unsigned" in r for r in reasons.values()), reasons
     with CheckpointClient(node.url("checkpoint-server"), victim.token) as client:
@@ -138,7 +143,9 @@ async def test_a_running_job_ignores_a_forged_end_and_forged_trajectories(
             for step in range(4)
         ]
         await forge(
-            node.bootstrap, (topics.JOB_EVENTS, end), *((topics.TRAJECTORIES, f) for f in fakes)
+            node.kafka_settings(),
+            (topics.JOB_EVENTS, end),
+            *((topics.TRAJECTORIES, f) for f in fakes),
         )
         seen = []
         async with asyncio.timeout(300):
@@ -148,7 +155,7 @@ async def test_a_running_job_ignores_a_forged_end_and_forged_trajectories(
     assert final.type is JobEventType.COMPLETED and final.message != "done (forged)"
     steps = [e.data["step"] for e in seen if e.type is JobEventType.TRAIN_STEP]
     assert steps[-1] == 4
-    reasons = await dead_letters_of(node.bootstrap, {str(r.id) for r in [end, *fakes]})
+    reasons = await dead_letters_of(node.kafka_settings(), {str(r.id) for r in [end, *fakes]})
     assert len(reasons) == 1 + len(fakes)
 
 

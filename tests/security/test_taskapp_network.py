@@ -2,7 +2,7 @@
 of the machine and the node's internals by name (tests/security/scan_taskapp.py). It must
 reach the generator's rollout endpoint and nothing else: not the broker (as a Kafka client
 it reads no job event, no trajectory, and cannot join the learner's group), not the
-broker's object store, the learner's weight route, the vault, or org B's Task App. And its
+broker's controller, the learner's weight route, the vault, or org B's Task App. And its
 own job still trains."""
 
 from __future__ import annotations
@@ -30,11 +30,10 @@ def test_a_managed_task_app_reaches_its_rollout_endpoint_and_nothing_else(
     attacked: AttackedNode,
 ) -> None:
     node = attacked.node
-    assert node.object_store is not None, "the node's broker keeps its log in the object store"
+    assert node.broker is not None, "the node runs its own broker"
     victim_job = attacked.victim_job
     env = {
         "TARGET_BOOTSTRAP": node.bootstrap,
-        "TARGET_OBJECTSTORE_URL": node.object_store.url,
         "TARGET_WEIGHTS_URL": f"{node.url('learner')}/v1/weights/"
         f"{attacked.victim.org_id}/{victim_job}/1",
         "TARGET_VAULT_URL": node.url("credential-vault"),
@@ -61,7 +60,7 @@ def test_a_managed_task_app_reaches_its_rollout_endpoint_and_nothing_else(
     }
     internals = {
         "broker": _port("tcp://" + node.bootstrap),
-        "object store": node.object_store.port,
+        "broker's controller": node.broker.controller_port,
         "vault": _port(node.url("credential-vault")),
         "gateway": _port(node.url("taskapp-gateway")),
         "learner": _port(node.url("learner")),
@@ -83,5 +82,5 @@ def test_a_managed_task_app_reaches_its_rollout_endpoint_and_nothing_else(
         assert answered["kafka"].startswith("failed"), report["answered"]
     for read in ("job_events", "trajectories", "learner_group"):
         assert report[read].startswith("failed"), (read, report[read])
-    for url in ("object_store", "weights", "vault"):
+    for url in ("weights", "vault"):
         assert not isinstance(report[url], int), (url, report[url])

@@ -19,7 +19,7 @@ from rlnode.bus.principals import MECHANISM, KafkaUser
 from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import topics
 
-Operation = Literal["Read", "Write", "Describe"]
+Operation = Literal["Read", "Write", "Describe", "Create"]
 ResourceKind = Literal["topic", "group"]
 Pattern = Literal["literal", "prefixed"]
 SCRAM_ITERATIONS = 8192
@@ -52,7 +52,36 @@ def service_acls() -> list[Acl]:
                 Acl(service, "Write", "topic", topic),
                 Acl(service, "Describe", "topic", topic),
             }
+    # The learner makes each org's own topic before its first event; the copier writes every
+    # org's (their names start so, and nothing else's does).
+    everyone = topics.ORG_PREFIX
+    acls |= {
+        Acl(topics.LEARNER, op, "topic", everyone, "prefixed") for op in ("Create", "Describe")
+    }
+    copier = topics.ORG_EVENTS_COPIER
+    acls |= {Acl(copier, op, "topic", everyone, "prefixed") for op in ("Write", "Describe")}
     return sorted(acls)
+
+
+def org_user(org_id: str) -> str:
+    """The Kafka user of an org's own clients."""
+    return f"org-{org_id}"
+
+
+def org_acls(org_id: str) -> list[Acl]:
+    """What an org's user may do: write job requests (each carries a job token of the org's,
+    which the learner checks), and read and join only what is the org's own: its topics and
+    its consumer groups, all named under topics.org_prefix(org_id)."""
+    user, own = org_user(org_id), topics.org_prefix(org_id)
+    return sorted(
+        {
+            Acl(user, "Write", "topic", topics.JOB_REQUESTS),
+            Acl(user, "Describe", "topic", topics.JOB_REQUESTS),
+            Acl(user, "Read", "topic", own, "prefixed"),
+            Acl(user, "Describe", "topic", own, "prefixed"),
+            Acl(user, "Read", "group", own, "prefixed"),
+        }
+    )
 
 
 def confluent_config(settings: KafkaSettings) -> dict[str, Any]:

@@ -208,6 +208,18 @@ async def ensure_topics(
         await client.close()
 
 
+async def topic_names(settings: KafkaSettings) -> set[str]:
+    """The topics this client may see (Describe) on the cluster."""
+    client = admin(settings)
+    await _started(client, settings)
+    try:
+        return set(await client.list_topics())
+    except KafkaError as e:
+        raise unreachable(settings.bootstrap_servers, e) from e
+    finally:
+        await client.close()
+
+
 async def topic_partitions(settings: KafkaSettings, topic: str, wait_s: float = 10.0) -> list[int]:
     """The partitions of `topic`, waiting up to `wait_s` for it to exist. Asks for every
     topic's metadata: a request naming the topic could make the broker create it."""

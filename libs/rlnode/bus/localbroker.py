@@ -187,6 +187,9 @@ class LocalBroker(ChildProcess):
         self.start_timeout_s = start_timeout_s
         self.max_message_bytes = max_message_bytes
         self.overrides = overrides or {}
+        # How long the last start took (seconds), and the formatting within it, if it had one.
+        self.start_seconds: float | None = None
+        self.format_seconds: float | None = None
         self._proc: subprocess.Popen | None = None
 
     @property
@@ -315,9 +318,11 @@ class LocalBroker(ChildProcess):
     def start(self) -> LocalBroker:
         if self.running:
             return self
+        started = time.monotonic()
         self._write_config()
         if not self.formatted:
             self.format()
+            self.format_seconds = time.monotonic() - started
         assert self.log_path is not None
         since = self.log_path.stat().st_size if self.log_path.exists() else 0
         self._spawn(self._java("kafka.Kafka", str(self.directory / "server.properties")), "")
@@ -327,6 +332,7 @@ class LocalBroker(ChildProcess):
             tail = self._log_tail()
             self.stop()
             raise BrokerStartError(f"{e}; broker log ({self.log_path}):\n{tail}") from None
+        self.start_seconds = time.monotonic() - started
         return self
 
     def _wait_started(self, since: int) -> None:

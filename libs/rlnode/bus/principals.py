@@ -26,8 +26,9 @@ MECHANISM = "SCRAM-SHA-512"
 ADMIN = "admin"
 # The common name of every broker's certificate: what the controller listener lets in.
 BROKER_CERT_NAME = "rlnode-broker"
-# A Kafka user name rlnode makes: a service's, an org's (org-<id>), the admin.
-USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,99}$")
+# A Kafka user name rlnode makes: a service's, an org's (org-<id>: ids are up to 128), the
+# admin.
+USER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,139}$")
 
 
 class PrincipalError(RuntimeError):
@@ -66,7 +67,7 @@ class KafkaUser:
 def check_user_name(name: str) -> str:
     if not USER_NAME.match(name):
         raise PrincipalError(
-            f"Kafka user name {name!r}: 1-100 letters, digits and . _ @ -, starting with a "
+            f"Kafka user name {name!r}: 1-140 letters, digits and . _ @ -, starting with a "
             "letter or digit"
         )
     return name

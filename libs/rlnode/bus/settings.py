@@ -94,6 +94,14 @@ class KafkaSettings(BaseSettings):
         3_000, ge=100, description="Group heartbeats; at most a third of the session timeout."
     )
 
+    @classmethod
+    def from_exports(cls, env: dict[str, str]) -> KafkaSettings:
+        """Settings from KAFKA_* variables given as a dict (what `connection_env` and
+        `rlnode kafka-credentials --json` give), not from this process's environment."""
+        return cls.model_validate(
+            {k.removeprefix("KAFKA_").lower(): v for k, v in env.items() if k.startswith("KAFKA_")}
+        )
+
     def connection_env(self) -> dict[str, str]:
         """The KAFKA_* variables that make a process's clients connect as these do."""
         env = {

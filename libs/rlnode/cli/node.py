@@ -262,6 +262,65 @@ def _kafka_cert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kafka_credentials(args: argparse.Namespace) -> int:
+    """An org's Kafka login for a client of its own, made through the node's admin (the node
+    up on this machine, or KAFKA_* naming a cluster's admin): operators only."""
+    from rlnode.bus.errors import BusError
+    from rlnode.node.kafka_access import grant_org
+    from rlnode.sdk import local_node
+    from rlnode.sdk.vault import VaultClient, VaultError
+
+    admin = local_node.kafka_settings()
+    if admin.security_protocol != "SASL_SSL" or admin.ssl_cafile is None:
+        print(
+            "rlnode: no Kafka admin login here: run this on the node's control host (as the "
+            "user that runs it, while it is up), or set KAFKA_BOOTSTRAP_SERVERS, "
+            "KAFKA_SECURITY_PROTOCOL=SASL_SSL, KAFKA_SASL_USERNAME/PASSWORD (a user who may "
+            "make users and ACLs) and KAFKA_SSL_CAFILE",
+            file=sys.stderr,
+        )
+        return 2
+    token = os.environ.get("RLNODE_ADMIN_TOKEN") or local_node.admin_token()
+    if token:  # an org the vault does not know gets no login
+        from rlnode.service.registry import VAULT
+
+        try:
+            with VaultClient(local_node.discovered_url(VAULT) or VAULT.default_url, token) as vault:
+                vault.public_key(args.org_id)
+        except VaultError as e:
+            print(f"rlnode: org {args.org_id}: {e}", file=sys.stderr)
+            return 2
+    data_dir = NodeSettings().data_dir
+    try:
+        access = asyncio.run(grant_org(admin, data_dir, args.org_id, rotate=args.rotate))
+    except BusError as e:
+        print(f"rlnode: {e}", file=sys.stderr)
+        return 1
+    settings = access.client_settings(admin.bootstrap_servers, admin.ssl_cafile)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "org_id": access.org_id,
+                    "events_topic": access.events_topic,
+                    "group_prefix": access.group_prefix,
+                    "env": settings.connection_env(),
+                },
+                indent=2,
+            )
+        )
+        return 0
+    print(
+        f"# org {access.org_id}'s Kafka login ({access.user.name}): it writes job requests to "
+        f"{topics.JOB_REQUESTS}, reads its job events from {access.events_topic}, and joins "
+        f"consumer groups named {access.group_prefix}*; nothing of another org's"
+    )
+    for name, value in settings.connection_env().items():
+        print(f"export {name}={value}")
+    print(f"export RLNODE_ORG_EVENTS_TOPIC={access.events_topic}")
+    return 0
+
+
 def _status(_args: argparse.Namespace) -> int:
     from rlnode.node.supervisor import status
 
@@ -362,6 +421,16 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="make the node's CA under RLNODE_DATA_DIR if it has none (production compose)",
     )
     cert.set_defaults(run=_kafka_cert)
+    credentials = commands.add_parser(
+        "kafka-credentials",
+        help="an org's Kafka login for its own Kafka client (operators, on the control host)",
+    )
+    credentials.add_argument("org_id", help="the org (as the vault knows it)")
+    credentials.add_argument(
+        "--rotate", action="store_true", help="a new password (the old one stops working)"
+    )
+    credentials.add_argument("--json", action="store_true", help="as JSON, not shell exports")
+    credentials.set_defaults(run=_kafka_credentials)
     commands.add_parser("status", help="the node's services: health, pid, restarts").set_defaults(
         run=_status
     )

@@ -33,6 +33,28 @@ ALL_TOPICS: Final[tuple[str, ...]] = (
 )
 
 
+# An org's own topics, for its users' own Kafka clients (docs/decisions.md, "Orgs on the
+# bus"): its job events, copied there by the checkpoint-server. Everything of an org's is
+# named under org_prefix(org), which carries the id's length: Kafka's prefixed ACLs match
+# plain string prefixes and org ids may hold dots, so "rlnode.org.a." would also be a
+# prefix of org "a.b"'s names; "rlnode.org-1.a." is a prefix of org "a"'s only.
+ORG_PREFIX: Final = "rlnode.org-"
+
+
+def org_prefix(org_id: str) -> str:
+    """What every topic and consumer group of `org_id`'s own starts with."""
+    return f"{ORG_PREFIX}{len(org_id)}.{org_id}."
+
+
+def org_events(org_id: str) -> str:
+    """The topic `org_id`'s users read its job events from with a Kafka client of theirs."""
+    return f"{org_prefix(org_id)}job-events"
+
+
+def is_org_events(topic: str) -> bool:
+    return topic.startswith(ORG_PREFIX) and topic.endswith(".job-events")
+
+
 @dataclass(frozen=True)
 class TopicRetention:
     """How long a topic keeps its records, per partition: Kafka's own retention.ms and
@@ -70,7 +92,7 @@ RETENTION: Final[dict[str, TopicRetention]] = {
 
 def retention_configs(topic: str) -> dict[str, str]:
     """The Kafka topic configs of `topic`'s retention; none for a topic not rlnode's."""
-    retention = RETENTION.get(topic)
+    retention = RETENTION.get(JOB_EVENTS if is_org_events(topic) else topic)
     return retention.kafka_configs() if retention else {}
 
 
@@ -102,8 +124,14 @@ OTHER_EVENT_PRODUCERS: Final[dict[str, frozenset[str]]] = {
 }
 
 
+# Who copies every job event to its org's own topic (and only that service writes there).
+ORG_EVENTS_COPIER: Final = CHECKPOINT_SERVER
+
+
 def may_produce(service: str, topic: str, payload: object) -> bool:
     """Whether `service` may have produced `payload` on `topic`."""
+    if is_org_events(topic):
+        return service == ORG_EVENTS_COPIER
     if service not in PRODUCERS.get(topic, frozenset()):
         return False
     if topic != JOB_EVENTS or service == LEARNER:
@@ -118,6 +146,9 @@ LEARNER_TRAJECTORIES_GROUP: Final = "learner-trajectories"
 LEARNER_TINKER_GROUP: Final = "learner-tinker"
 ROLLOUT_GENERATOR_GROUP: Final = "rollout-generator"
 CHECKPOINT_SERVER_GROUP: Final = registry.CHECKPOINT_SERVER.name
+# The checkpoint-server's copying of job events to the orgs' topics, apart from its index
+# (its settings' org_events_group_id: the index's group and this suffix).
+ORG_EVENTS_COPIER_GROUP: Final = f"{CHECKPOINT_SERVER_GROUP}.org-events"
 
 # What each service reads, and in which consumer groups; with PRODUCERS (and who writes job
 # requests), every Kafka permission a service needs: its Kafka user's ACLs are made from
@@ -132,7 +163,7 @@ READERS: Final[dict[str, frozenset[str]]] = {
 GROUPS: Final[dict[str, frozenset[str]]] = {
     LEARNER: frozenset({LEARNER_GROUP, LEARNER_TRAJECTORIES_GROUP, LEARNER_TINKER_GROUP}),
     GENERATOR: frozenset({ROLLOUT_GENERATOR_GROUP}),
-    CHECKPOINT_SERVER: frozenset({CHECKPOINT_SERVER_GROUP}),
+    CHECKPOINT_SERVER: frozenset({CHECKPOINT_SERVER_GROUP, ORG_EVENTS_COPIER_GROUP}),
     TINKER_API: frozenset(),
 }
 # Job requests are written by users (the CLI, the SDK, their own clients) and by the

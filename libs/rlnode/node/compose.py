@@ -154,20 +154,12 @@ def kafka_client_env(user: str) -> dict[str, str]:
 
 
 def kafka_acls() -> list[tuple[str, str, str, str]]:
-    """(user, operation, resource type, name) for every permission a Kafka user gets."""
+    """(user, operation, resource type, name) for every permission a Kafka user gets: each
+    service's (rlnode.bus.acls, from topics.py), and rlnode-jobs' writing job requests."""
+    from rlnode.bus.acls import service_acls
     from rlnode.messages import topics
 
-    acls = []
-    for service, read in sorted(topics.READERS.items()):
-        for topic in sorted(read):
-            acls += [(service, "Read", "topic", topic), (service, "Describe", "topic", topic)]
-        for group in sorted(topics.GROUPS[service]):
-            acls.append((service, "Read", "group", group))
-        written = {t for t, producers in topics.PRODUCERS.items() if service in producers}
-        if service in topics.JOB_REQUEST_WRITERS:
-            written.add(topics.JOB_REQUESTS)
-        for topic in sorted(written):
-            acls += [(service, "Write", "topic", topic), (service, "Describe", "topic", topic)]
+    acls = [(a.user, a.operation, a.kind, a.name) for a in service_acls()]
     acls += [(KAFKA_JOBS_USER, op, "topic", topics.JOB_REQUESTS) for op in ("Write", "Describe")]
     return sorted(set(acls))
 

@@ -3,19 +3,24 @@
 Under `<data dir>/secrets/kafka/` (0700, every file 0600): `ca/` (the node's CA, made once by
 the control host), `broker/` (the broker's certificate, issued again at each start for the
 addresses it listens on; its common name is what the controller listener lets in) and
-`users.json` (a SCRAM password per Kafka user: each service, the admin, each org that asked
-for credentials). A host that joins gets its services' users and the CA's certificate in the
+`users.json` (a SCRAM password per Kafka user: each service, the admin, each org that was
+given credentials for a Kafka client of its own: `grant_org`, `rlnode kafka-credentials`). A host that joins gets its services' users and the CA's certificate in the
 join file, beside their service tokens; it never holds the CA's key or the admin's password.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from rlnode.bus.acls import grant, org_acls, org_user
+from rlnode.bus.clients import ensure_topics
 from rlnode.bus.pki import Identity, NodeCA
 from rlnode.bus.principals import BROKER_CERT_NAME, KafkaUser, UserStore, check_user_name
+from rlnode.bus.settings import KafkaSettings
+from rlnode.messages import topics
 from rlnode.service.files import private_dir, write_private
 
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,99}$")
@@ -91,3 +96,34 @@ def credentials_from_join(data_dir: Path, payload: dict[str, Any]) -> dict[str, 
     private_dir(ca_certificate(data_dir).parent)
     write_private(ca_certificate(data_dir), ca)
     return joined
+
+
+@dataclass(frozen=True)
+class OrgKafkaAccess:
+    """What an org's users get for a Kafka client of their own."""
+
+    org_id: str
+    user: KafkaUser
+    events_topic: str  # where its job events are copied
+    group_prefix: str  # the consumer groups it may join are named so
+
+    def client_settings(self, bootstrap: str, ca: Path) -> KafkaSettings:
+        return self.user.client_settings(bootstrap, ca)
+
+
+async def grant_org(
+    admin: KafkaSettings, data_dir: Path, org_id: str, rotate: bool = False
+) -> OrgKafkaAccess:
+    """The org's Kafka user (made, or given a new password with `rotate`), its own events
+    topic, and its ACLs (rlnode.bus.acls.org_acls), made through `admin`'s login. The
+    password is kept with the node's other Kafka users, so asking again gives the same."""
+    store = users(data_dir)
+    name = org_user(org_id)
+    if rotate:
+        store.forget(name)
+    user = store.user(name)
+    events = topics.org_events(org_id)
+    # One partition: an org's events are few, and its users read them in one order.
+    await ensure_topics(admin, [events], partitions=1)
+    await grant(admin, [user], org_acls(org_id))
+    return OrgKafkaAccess(org_id, user, events, topics.org_prefix(org_id))

@@ -173,6 +173,7 @@ class LocalNode:
         self._up_since: dict[str, float] = {}
         self._streak: dict[str, int] = {}  # restarts without a minute up in between
         self._holds_signals = False  # TerminationUnwinds, from start() to stop()
+        self.start_seconds: float | None = None  # from start() to every service healthy
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -181,11 +182,13 @@ class LocalNode:
         if not self._holds_signals:
             TerminationUnwinds.hold()
             self._holds_signals = True
+        started = time.monotonic()
         try:
             self._start()
         except BaseException:
             self.stop()
             raise
+        self.start_seconds = time.monotonic() - started
         return self
 
     def _start(self) -> None:

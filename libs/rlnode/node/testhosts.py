@@ -23,7 +23,6 @@ from rlnode import testing
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
 from rlnode.messages import JobConfig, JobEvent
-from rlnode.node.local import admin_settings
 from rlnode.node.roles import JoinInfo, join_path
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.jobs import JobsClient
@@ -201,7 +200,7 @@ class User:
     join: JoinInfo
     org_id: str
     token: str
-    kafka: KafkaSettings  # the node's admin's, over TLS
+    kafka: KafkaSettings  # the org's own login (rlnode kafka-credentials), over TLS
 
     @classmethod
     def create(cls, control: HostProcess) -> User:
@@ -213,8 +212,8 @@ class User:
         with VaultClient(join.vault_url, token) as vault:
             vault.set_secret("ENVIRONMENT_API_KEY", unique_id("key"))
         kafka = KafkaSettings(bootstrap_servers=join.bootstrap)
-        if join.kafka:  # the node's own broker: its admin's login, as the operator has it
-            kafka = admin_settings(control.data_dir, join.bootstrap)
+        if join.kafka:  # the node's own broker: the operator issues the org its login
+            kafka = kafka_credentials(control.data_dir, org_id)
         return cls(join, org_id, token, kafka)
 
     def register_example_task_app(self, name: str, example: str) -> dict:
@@ -257,6 +256,22 @@ class User:
             timeout_s,
             f"{job_id} ended",
         )
+
+
+def kafka_credentials(control_data_dir: Path, org_id: str) -> KafkaSettings:
+    """`rlnode kafka-credentials ORG --json` on the control host, as its operator: the org's
+    login."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "rlnode.cli", "kafka-credentials", org_id, "--json"],
+        env=env | {"RLNODE_DATA_DIR": str(control_data_dir)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"rlnode kafka-credentials failed: {done.stderr or done.stdout}")
+    return KafkaSettings.from_exports(json.loads(done.stdout)["env"])
 
 
 async def kafka_client_outcome(settings: KafkaSettings, **overrides) -> str:

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rlnode.bus import Bus
+from rlnode.bus.acls import org_user
 from rlnode.bus.reader import RecentIds, TopicReader
 from rlnode.bus.settings import KafkaSettings
 from rlnode.bus.signing import RecordRefused, RecordVerifier
@@ -115,6 +116,10 @@ class JobsClient:
         self.token = token
         self.vault_url = service_url(VAULT, vault_url)
         self.kafka = kafka or local_node.kafka_settings()
+        # Logged in as the org's own Kafka user (rlnode kafka-credentials), its events are on
+        # the org's topic: the shared one is not the org's to read.
+        own = self.kafka.sasl_username == org_user(org_id)
+        self.events_topic = topics.org_events(org_id) if own else topics.JOB_EVENTS
         # Events are taken only from the services that may produce them (anyone who can
         # write to the topic could forge one).
         self._verifier = RecordVerifier(VaultTokenVerifier(self.vault_url))
@@ -177,6 +182,7 @@ class JobsClient:
             self.kafka,
             self._verifier,
             job_id,
+            topic=self.events_topic,
             service=self._bus.service,
             follow=follow,
             idle_timeout_s=idle_timeout_s,
@@ -200,7 +206,12 @@ class JobsClient:
     async def org_events(self, *, follow: bool = True) -> AsyncIterator[JobEvent]:
         """Every event of this org's jobs (see `org_events`)."""
         async for event in org_events(
-            self.kafka, self._verifier, self.org_id, service=self._bus.service, follow=follow
+            self.kafka,
+            self._verifier,
+            self.org_id,
+            topic=self.events_topic,
+            service=self._bus.service,
+            follow=follow,
         ):
             yield event
 
@@ -222,6 +233,7 @@ async def job_events(
     job_id: str,
     *,
     service: str,
+    topic: str = topics.JOB_EVENTS,
     follow: bool = True,
     idle_timeout_s: float | None = None,
     wait_first_s: float | None = None,
@@ -231,14 +243,12 @@ async def job_events(
     stops at the end of what the topic holds now. TimeoutError when no event of the job
     comes within `wait_first_s` of the start (a wrong id, or no learner), or none for
     `idle_timeout_s` at any point. An event stored twice (published again through a broker
-    outage) comes once."""
+    outage) comes once. `topic`: the shared job-events, or the org's own (topics.org_events)."""
     # A job's events all sit in the partition its id is keyed to: read only that one, from
     # when the job was made when its id says.
     made = job_made_at(job_id)
     since = None if made is None else made - JOB_CLOCK_SKEW_S
-    async with TopicReader(
-        kafka, topics.JOB_EVENTS, service=service, key=job_id, since=since
-    ) as reader:
+    async with TopicReader(kafka, topic, service=service, key=job_id, since=since) as reader:
         accepted = False
         started = last_news = time.monotonic()
         seen = False
@@ -267,6 +277,7 @@ async def org_events(
     org_id: str,
     *,
     service: str,
+    topic: str = topics.JOB_EVENTS,
     follow: bool = True,
     from_beginning: bool = True,
 ) -> AsyncIterator[JobEvent]:
@@ -274,9 +285,7 @@ async def org_events(
     `from_beginning`), forged ones skipped; a job's events in order (they share a
     partition), jobs interleaved as they come, each once. With `follow`, waits for more
     until cancelled; without, stops at the end of what the topic holds now."""
-    async with TopicReader(
-        kafka, topics.JOB_EVENTS, service=service, from_beginning=from_beginning
-    ) as reader:
+    async with TopicReader(kafka, topic, service=service, from_beginning=from_beginning) as reader:
         once = RecentIds()
         while True:
             for event in await _verified(reader, verifier, lambda e: e.org_id == org_id, once):
@@ -315,7 +324,7 @@ async def _from_a_service(
     except RecordRefused as e:
         log.warning("skipped an event of job %s: %s", event.job_id, e.reason)
         return False
-    if not topics.may_produce(producer, topics.JOB_EVENTS, event):
+    if not topics.may_produce(producer, record.topic, event):
         log.warning("skipped a %s of job %s from %s", event.type.value, event.job_id, producer)
         return False
     return True

@@ -25,6 +25,7 @@ from rlnode_services.checkpoint_server.index import Indexer
 from rlnode_services.checkpoint_server.inference import inference_routes
 from rlnode_services.checkpoint_server.listings import listing_routes
 from rlnode_services.checkpoint_server.models import Checkpoints, ModelCache, ModelProblem
+from rlnode_services.checkpoint_server.org_events import OrgEventCopier
 from rlnode_services.checkpoint_server.settings import SERVICE, CheckpointServerSettings
 from rlnode_services.checkpoint_server.store import TABLES
 
@@ -42,6 +43,9 @@ def create_app(settings: CheckpointServerSettings) -> FastAPI:
     bus.subscribe(
         topics.WEIGHT_VERSIONS, retry_on_outage(indexer.on_weights), group_id=settings.group_id
     )
+    # Apart from the index (a group of its own): a slow copy never holds back indexing.
+    copier = OrgEventCopier(bus)
+    bus.subscribe(topics.JOB_EVENTS, copier.on_event, group_id=settings.org_events_group_id)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI):

@@ -19,7 +19,11 @@ class CheckpointServerSettings(VaultClientSettings):
     model_config = SettingsConfigDict(env_prefix=SERVICE.env_prefix, extra="ignore")
 
     port: int = Field(SERVICE.port, ge=0, le=65535, description="HTTP port.")
-    group_id: str = Field(CHECKPOINT_SERVER_GROUP, description="The consumer group of the index.")
+    group_id: str = Field(
+        CHECKPOINT_SERVER_GROUP,
+        description="The consumer group of the index (and, with .org-events after it, of the "
+        "copying of job events to the orgs' own topics).",
+    )
     device: str = Field("cpu", description="Where inference runs: cpu or cuda[:N].")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Loaded checkpoints: auto is bfloat16 on GPUs, float32 on the CPU."
@@ -36,3 +40,9 @@ class CheckpointServerSettings(VaultClientSettings):
         GATEWAY.default_url,
         description="The taskapp-gateway whose Task Apps the dashboard's node page lists.",
     )
+
+    @property
+    def org_events_group_id(self) -> str:
+        """The consumer group that copies job events to the orgs' own topics (by default
+        topics.ORG_EVENTS_COPIER_GROUP, the one its Kafka user may join)."""
+        return f"{self.group_id}.org-events"

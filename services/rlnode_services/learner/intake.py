@@ -48,6 +48,8 @@ class Verdict:
     # This very request was judged before (it is handled again after a failure): what it
     # did then (its job record) is its own, not a reuse of the job id.
     repeated: bool = False
+    # Its job token was the org's: the org it names is who sent it.
+    org_verified: bool = False
 
 
 class JobIntake:
@@ -85,6 +87,7 @@ class JobIntake:
             )
         verdict = await self._judge(request)
         verdict.repeated = taken == "again"
+        verdict.org_verified = True
         return verdict
 
     async def _judge(self, request: JobRequest) -> Verdict:

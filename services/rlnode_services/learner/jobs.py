@@ -38,6 +38,7 @@ from rlnode.training.loop import JobCancelled, JobFailed, JobRunner
 from rlnode.training.rank_hosts import RankHub
 from rlnode.training.transport import BusTransport
 from rlnode_services.learner.intake import JobIntake
+from rlnode_services.learner.org_topics import OrgTopics
 from rlnode_services.learner.probe import task_app_probe
 from rlnode_services.learner.settings import LearnerSettings
 from rlnode_services.learner.store import ACTIVE, TABLES, JobRecord
@@ -79,6 +80,7 @@ class JobManager:
         parallel = len(settings.device_list) > 1 or self.rank_hosts is not None
         self.capacity = 1 if parallel else settings.max_running_jobs
         self.trajectories: Subscription[Trajectory] | None = None
+        self.org_topics = OrgTopics(bus.settings)
         create_tables(engine, *TABLES)
 
     # -- lifecycle ----------------------------------------------------------------------
@@ -95,6 +97,7 @@ class JobManager:
                 )
             )
         for record in active:  # jobs this learner owned before it stopped
+            await self.org_topics.ensure(record.org_id)
             await self._start_or_queue(record)
         self.trajectories = self.bus.subscribe(
             topics.TRAJECTORIES,
@@ -116,6 +119,8 @@ class JobManager:
 
     async def on_request(self, request: JobRequest, _delivery: Delivery) -> None:
         verdict = await self.intake.check(request)
+        if verdict.org_verified:  # before the org's first event about it: where it is copied
+            await self.org_topics.ensure(request.org_id)
         if not verdict.ok:
             await self._reject(request, verdict.reason)
             return
