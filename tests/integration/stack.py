@@ -9,7 +9,9 @@ from pathlib import Path
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from rlnode.bus.clients import topic_partitions
 from rlnode.bus.localbroker import free_port
+from rlnode.bus.settings import KafkaSettings
 from rlnode.bus.signing import RecordSigner
 from rlnode.messages import topics
 from rlnode.node.processes import ServiceProcess
@@ -39,10 +41,10 @@ async def work_group_at_the_end(bootstrap: str) -> str:
     )
     await consumer.start()
     try:
-        partitions = [
-            TopicPartition(topics.ROLLOUT_WORK, p)
-            for p in consumer.partitions_for_topic(topics.ROLLOUT_WORK)
-        ]
+        numbers = await topic_partitions(
+            KafkaSettings(bootstrap_servers=bootstrap), topics.ROLLOUT_WORK
+        )
+        partitions = [TopicPartition(topics.ROLLOUT_WORK, p) for p in numbers]
         consumer.assign(partitions)
         await consumer.commit(await consumer.end_offsets(partitions))
     finally:

@@ -15,6 +15,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from rlnode.bus import Bus, BusUnavailable, RecordTooLarge, ensure_topics
 from rlnode.bus.localbroker import LocalBroker, free_port
 from rlnode.bus.settings import KafkaSettings
+from rlnode.bus.signing import RecordVerifier
 from rlnode.messages import (
     DeadLetter,
     JobEvent,
@@ -26,6 +27,7 @@ from rlnode.messages import (
 )
 from rlnode.messages.codec import decode, encode
 from rlnode.messages.examples import example_payloads
+from rlnode.service.auth import VaultTokenVerifier
 from rlnode.testing import unique_id
 from tests.conftest import eventually, next_matching
 
@@ -497,3 +499,35 @@ async def test_an_unreachable_broker_is_reported_clearly() -> None:
         await bus.start()
     with pytest.raises(BusUnavailable, match="cannot reach Kafka"):
         await bus.ensure_topics()
+
+
+async def test_a_stop_does_not_wait_for_records_whose_producer_cannot_be_checked(
+    make_bus, kafka_settings
+) -> None:
+    """With the vault out of reach, a signed record waits for its producer's check; a stop
+    (even one that lets records in flight drain for minutes) does not wait for it: it was not
+    begun, and stays uncommitted for the group to read again."""
+    job_id, group = unique_id("job"), unique_id("g")
+    producer = AIOKafkaProducer(bootstrap_servers=kafka_settings.bootstrap_servers)
+    await producer.start()
+    try:
+        await producer.send_and_wait(
+            topics.JOB_EVENTS,
+            encode(JobEvent(job_id=job_id, org_id="o", type=JobEventType.QUEUED, source="t")),
+            key=job_id.encode(),
+            headers=[("rlnode-cert", b"rlc1.e30.AAAA"), ("rlnode-sig", b"\0" * 64)],
+        )
+    finally:
+        await producer.stop()
+    nowhere = RecordVerifier(VaultTokenVerifier(f"http://127.0.0.1:{free_port()}"))
+    bus = make_bus("checking", verifier=nowhere)
+    handled: list[JobEvent] = []
+
+    async def handler(event: JobEvent, _delivery) -> None:
+        handled.append(event)
+
+    subscription = bus.subscribe(topics.JOB_EVENTS, handler, group_id=group, concurrency=4)
+    await bus.start()
+    await eventually(lambda: subscription.in_flight > 0, 60, "a record waiting for its check")
+    await asyncio.wait_for(bus.stop(drain_timeout_s=600), 60)
+    assert handled == [] and subscription.ledger.committable() == {}

@@ -13,6 +13,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from rlnode.bus import KafkaSettings, TopicReader, clients, ensure_topics
 from rlnode.bus.acls import granted_sync
 from rlnode.bus.localbroker import BrokerBinaryMissing, BrokerStartError, LocalBroker
+from rlnode.bus.pki import NodeCA
+from rlnode.bus.principals import ADMIN, BROKER_CERT_NAME, KafkaUser
 from rlnode.messages import topics
 
 
@@ -29,6 +31,24 @@ def test_a_broker_that_cannot_listen_is_reported_with_its_log(tmp_path) -> None:
         port = taken.getsockname()[1]
         with pytest.raises(BrokerStartError, match=r"exited with code(.|\n)*broker log"):
             LocalBroker(tmp_path / "kafka", port=port, start_timeout_s=60).start()
+
+
+def test_a_cluster_id_and_password_starting_with_a_dash_format(tmp_path) -> None:
+    """One base64 cluster id in 64 starts with "-" (read as an option if passed apart from
+    its option: a format failed so once)."""
+    identity = NodeCA.ensure(tmp_path / "ca").write_identity(
+        tmp_path / "b", BROKER_CERT_NAME, ("127.0.0.1",)
+    )
+    broker = LocalBroker(
+        tmp_path / "kafka",
+        identity,
+        KafkaUser(ADMIN, "-starts-with-a-dash"),
+        cluster_id="-abcdefghijklmnopqrstu",
+    )
+    broker._write_config()
+    broker.format()
+    meta = (broker.data_dir / "meta.properties").read_text()
+    assert "cluster.id=-abcdefghijklmnopqrstu" in meta
 
 
 async def _produce(settings: KafkaSettings, topic: str, values: range) -> None:

@@ -229,8 +229,8 @@ with LocalNode(NodeOptions(data_dir=Path(sys.argv[1]), services=("credential-vau
 @pytest.mark.timeout(180)
 def test_a_script_killed_with_sigterm_stops_its_nodes_processes(tmp_path: Path) -> None:
     """A benchmark or script that runs `with LocalNode(...)` and is stopped with SIGTERM (or
-    its terminal closes) takes the node's broker, store and services with it: they run in
-    sessions of their own and would otherwise live on, holding ports and memory."""
+    its terminal closes) takes the node's broker and services with it: they run in sessions
+    of their own and would otherwise live on, holding ports and memory."""
     marker = str(tmp_path / "node")
     script = subprocess.Popen(
         [sys.executable, "-c", NODE_IN_A_SCRIPT, marker],
@@ -244,7 +244,7 @@ def test_a_script_killed_with_sigterm_stops_its_nodes_processes(tmp_path: Path) 
         line = script.stdout.readline()
         assert line == "up\n", line + script.stdout.read()
         started = [pid for pid in processes_with(marker) if pid != script.pid]
-        assert len(started) >= 3, started  # the broker, its object store, the vault
+        assert len(started) >= 2, started  # the broker, the vault
         script.send_signal(signal.SIGTERM)
         code = script.wait(60)
         assert [pid for pid in started if _alive(pid)] == []  # none outlived it

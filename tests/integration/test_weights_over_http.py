@@ -401,7 +401,7 @@ def test_a_generator_on_another_host_completes_a_job_on_versions_it_downloads(
             free_port(),
             tmp_path / "generator.log",
             env={
-                "KAFKA_BOOTSTRAP_SERVERS": node.bootstrap,
+                **node.kafka_env(GENERATOR.name),  # its login, the node's CA
                 "KAFKA_SESSION_TIMEOUT_MS": "6000",
                 "KAFKA_HEARTBEAT_INTERVAL_MS": "2000",
                 "GENERATOR_VAULT_URL": node.url("credential-vault"),

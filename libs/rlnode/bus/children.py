@@ -79,7 +79,8 @@ class ChildProcess:
     def _spawn(self, argv: list[str], log_prefix: str, env: dict[str, str] | None = None) -> None:
         """Start `argv` as this child: in a session of its own (Ctrl-C in a terminal reaches
         us, and we stop it in order), its output appended to its log (a temporary file
-        named from `log_prefix` unless it has one)."""
+        named from `log_prefix` unless it has one), what it writes readable by this user
+        alone (umask 077: a broker's log directories hold every org's records)."""
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix=log_prefix, suffix=".log")
             os.close(fd)
@@ -92,6 +93,7 @@ class ChildProcess:
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 start_new_session=True,
+                umask=0o077,
             )
 
     def _log_tail(self, chars: int = 2000) -> str:

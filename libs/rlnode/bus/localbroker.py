@@ -297,14 +297,14 @@ class LocalBroker(ChildProcess):
         users = []
         if self.admin is not None:
             admin = f"{MECHANISM}=[name={self.admin.name},password={self.admin.password}]"
-            users = ["--add-scram", admin]
+            users = [f"--add-scram={admin}"]
+        # Each value joined to its option: an id (or password) starting with "-" is read as
+        # an option otherwise (a base64 cluster id does, one time in 64).
         argv = self._java(
             "kafka.tools.StorageTool",
             "format",
-            "--config",
-            str(self.directory / "server.properties"),
-            "--cluster-id",
-            self.cluster_id,
+            f"--config={self.directory / 'server.properties'}",
+            f"--cluster-id={self.cluster_id}",
             *users,
             "--ignore-formatted",
         )

@@ -111,6 +111,9 @@ class Subscription(Generic[M]):
         # uncommitted: a group reads them again.
         self._loop = Supervised(f"consuming {topic}", self._run)
         self._in_flight: set[asyncio.Task] = set()
+        # Records whose producer is still being checked (the vault may be out of reach): not
+        # begun, so a stop does not wait for them; they are read again.
+        self._checking: set[asyncio.Task] = set()
         # Dead letters on their way to the broker: published in the background (so a flood
         # of bad records costs one batch of publishes, not a round trip each), each record
         # settled once its dead letter is acknowledged.
@@ -158,6 +161,8 @@ class Subscription(Generic[M]):
         what is settled. What did not finish stays uncommitted for the group to read again."""
         self._stopping = True
         await self._loop.stop()
+        for task in self._checking & self._in_flight:
+            task.cancel()
         if self._in_flight or self._dead_lettering:
             waiting = self._in_flight | self._dead_lettering
             _done, pending = await asyncio.wait(waiting, timeout=drain_timeout_s)
@@ -287,11 +292,20 @@ class Subscription(Generic[M]):
         producer = None
         verifier = self.bus.verifier
         if verifier is not None and record.topic not in topics.UNSIGNED_TOPICS:
+            checking = asyncio.current_task()
+            assert checking is not None
+            self._checking.add(checking)
             try:
                 producer = await verifier.producer(record)
             except RecordRefused as e:
+                refused: RecordRefused | None = e
+            else:
+                refused = None
+            finally:
+                self._checking.discard(checking)
+            if refused is not None:
                 # No job event: an unsigned record changes nothing of the job it names.
-                await self._refuse(record, "producer", e.reason, None)
+                await self._refuse(record, "producer", refused.reason, None)
                 return
         try:
             payload = decode(record.value, self.model)
