@@ -122,4 +122,3 @@ def test_the_nodes_broker_is_secured_and_the_open_one_is_not(tmp_path: Path) -> 
     assert cluster["min.insync.replicas"] == "2" and cluster["default.replication.factor"] == "3"
     with pytest.raises(ValueError, match="both its identity and the admin"):
         LocalBroker(tmp_path / "x", identity=identity)
-
