@@ -137,3 +137,17 @@ def test_broker_command_serves_until_sigterm(tmp_path) -> None:
         # The broker's JVM runs in a session of its own: gone with it, or killed here.
         for pid in processes_with(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_kafka_credentials_needs_the_nodes_admin(tmp_path) -> None:
+    """No node up here and no KAFKA_* admin: it says where to run it, and makes nothing."""
+    result = subprocess.run(
+        [*RLNODE, "kafka-credentials", "acme"],
+        env=_env(RLNODE_DATA_DIR=str(tmp_path)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "no Kafka admin login here" in result.stderr
+    assert not (tmp_path / "secrets" / "kafka" / "users.json").exists()

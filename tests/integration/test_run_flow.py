@@ -550,45 +550,14 @@ def test_confluent_kafka_drives_a_job(node, org_login) -> None:
     assert seen and seen[0] == "job.accepted" and seen[-1] == "job.completed", seen
 
 
-def test_kcat_reads_the_orgs_events(node, org_login, finished_job) -> None:
-    """The README's kcat line, with the org's login: the finished job's events, from the org's
-    own topic; and the shared topic, which is not the org's, refused."""
-    env = {**os.environ, **org_login["env"]}
-    login = [
-        "-b",
-        env["KAFKA_BOOTSTRAP_SERVERS"],
-        "-X",
-        "security.protocol=SASL_SSL",
-        "-X",
-        "sasl.mechanisms=SCRAM-SHA-512",
-        "-X",
-        f"sasl.username={env['KAFKA_SASL_USERNAME']}",
-        "-X",
-        f"sasl.password={env['KAFKA_SASL_PASSWORD']}",
-        "-X",
-        f"ssl.ca.location={env['KAFKA_SSL_CAFILE']}",
-    ]
-    read = ["-C", "-o", "beginning", "-e", "-f", "%k %s\n"]
-    own = subprocess.run(
-        ["kcat", *login, *read, "-t", org_login["events_topic"]],
-        capture_output=True,
-        text=True,
-        timeout=120,
+def test_kafka_credentials_are_refused_for_an_org_the_vault_does_not_know(node) -> None:
+    running = node[0]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")}
+    refused = run_rlnode(
+        env | {"RLNODE_DATA_DIR": str(running.data_dir)}, "kafka-credentials", "no-such-org"
     )
-    assert own.returncode == 0, own.stderr
-    types = [
-        json.loads(line.split(" ", 1)[1])["type"]
-        for line in own.stdout.splitlines()
-        if line.startswith(finished_job + " ")
-    ]
-    assert types[0] == "job.accepted" and types[-1] == "job.completed", types
-    shared = subprocess.run(
-        ["kcat", *login, *read, "-t", topics.JOB_EVENTS],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert shared.returncode != 0 and "authoriz" in shared.stderr.lower(), shared.stderr
+    assert refused.returncode == 2 and "org no-such-org" in refused.stderr, refused.stderr
+    assert "org-no-such-org" not in (running.data_dir / "secrets/kafka/users.json").read_text()
 
 
 def test_a_tool_calling_task_trains_through_the_node_and_its_checkpoint_calls_tools(

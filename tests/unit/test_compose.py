@@ -343,17 +343,20 @@ def test_the_acls_are_what_the_services_read_write_and_group_by() -> None:
             LearnerSettings.model_fields["tinker_group_id"].default,
         },
         GENERATOR.name: {GeneratorSettings.model_fields["work_group"].default},
-        "checkpoint-server": {CheckpointServerSettings.model_fields["group_id"].default},
+        "checkpoint-server": {
+            CheckpointServerSettings.model_fields["group_id"].default,
+            CheckpointServerSettings().org_events_group_id,
+        },
         "tinker-api": set(),  # every instance reads every result: no group
     }
     assert {s: set(g) for s, g in topics.GROUPS.items()} == defaults
     granted = kafka_acls()
-    learner = {(op, name) for user, op, kind, name in granted if user == LEARNER.name}
+    learner = {(a.operation, a.name) for a in granted if a.user == LEARNER.name}
     assert ("Read", topics.TRAJECTORIES) in learner and ("Write", topics.ROLLOUT_WORK) in learner
     assert ("Read", topics.JOB_EVENTS) not in learner
-    jobs = {(op, name) for user, op, _, name in granted if user == "rlnode-jobs"}
+    jobs = {(a.operation, a.name) for a in granted if a.user == "rlnode-jobs"}
     assert jobs == {("Write", topics.JOB_REQUESTS), ("Describe", topics.JOB_REQUESTS)}
-    assert {user for user, *_ in granted} == set(kafka_users()) - {"admin"}
+    assert {a.user for a in granted} == set(kafka_users()) - {"admin"}
 
 
 @pytest.mark.parametrize(("path", "spec", "name"), SERVICE_CASES, ids=SERVICE_IDS)

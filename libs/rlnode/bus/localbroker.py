@@ -308,7 +308,7 @@ class LocalBroker(ChildProcess):
             *users,
             "--ignore-formatted",
         )
-        done = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, umask=0o077)
         if done.returncode != 0:
             raise BrokerStartError(
                 f"formatting Kafka's log directory {self.data_dir} failed: "

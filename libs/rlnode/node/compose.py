@@ -18,6 +18,7 @@ from pathlib import PurePosixPath
 
 import yaml
 
+from rlnode.bus.acls import Acl
 from rlnode.node.plan import BASE_COMPOSE_GENERATORS, GpuPlan, compose_gpu_services
 from rlnode.service.registry import GENERATOR
 
@@ -153,15 +154,14 @@ def kafka_client_env(user: str) -> dict[str, str]:
     }
 
 
-def kafka_acls() -> list[tuple[str, str, str, str]]:
-    """(user, operation, resource type, name) for every permission a Kafka user gets: each
-    service's (rlnode.bus.acls, from topics.py), and rlnode-jobs' writing job requests."""
+def kafka_acls() -> list[Acl]:
+    """Every permission a Kafka user gets: each service's (rlnode.bus.acls, from topics.py),
+    and rlnode-jobs' writing job requests."""
     from rlnode.bus.acls import service_acls
     from rlnode.messages import topics
 
-    acls = [(a.user, a.operation, a.kind, a.name) for a in service_acls()]
-    acls += [(KAFKA_JOBS_USER, op, "topic", topics.JOB_REQUESTS) for op in ("Write", "Describe")]
-    return sorted(set(acls))
+    jobs = [Acl(KAFKA_JOBS_USER, op, "topic", topics.JOB_REQUESTS) for op in ("Write", "Describe")]
+    return sorted({*service_acls(), *jobs})
 
 
 def kafka_acl_script(bootstrap: str) -> str:
@@ -175,10 +175,11 @@ def kafka_acl_script(bootstrap: str) -> str:
         f'username=\\"{KAFKA_ADMIN}\\" password=\\"%s\\";\\n\' "$$RLNODE_KAFKA_ADMIN_PASSWORD"'
         " > /tmp/admin.properties",
     ]
-    for user, operation, kind, name in kafka_acls():
+    for acl in kafka_acls():
+        prefixed = " --resource-pattern-type prefixed" if acl.pattern == "prefixed" else ""
         lines.append(
             f"/opt/kafka/bin/kafka-acls.sh --bootstrap-server {bootstrap} --command-config "
-            f"/tmp/admin.properties --add --allow-principal User:{user} --operation "
-            f"{operation} --{kind} {name}"
+            f"/tmp/admin.properties --add --allow-principal User:{acl.user} --operation "
+            f"{acl.operation} --{acl.kind} {acl.name}{prefixed}"
         )
     return "\n".join(lines) + "\n"
