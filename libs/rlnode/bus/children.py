@@ -1,4 +1,4 @@
-"""What the embedded broker and its object store share as child processes of ours: a free
+"""What the node's broker shares with other child processes of ours: a free
 port to listen on, whether they run, and a stop that asks first (SIGTERM) and insists
 after a timeout (SIGKILL)."""
 

@@ -12,10 +12,8 @@ voter list are a cluster (`Voter`s: tests/multihost, compose)."""
 from __future__ import annotations
 
 import base64
-import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -104,21 +102,6 @@ def find_java() -> str:
 def new_cluster_id() -> str:
     """A KRaft cluster id: a UUID in URL-safe base64, as `kafka-storage random-uuid` prints."""
     return base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
-
-
-def wait_for_port(
-    host: str, port: int, timeout_s: float, proc: subprocess.Popen | None = None
-) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise BrokerStartError(
-                f"the process exited with code {proc.returncode} before listening"
-            )
-        with contextlib.suppress(OSError), socket.create_connection((host, port), timeout=0.2):
-            return
-        time.sleep(0.05)
-    raise BrokerStartError(f"nothing listened on {host}:{port} within {timeout_s:.0f}s")
 
 
 def _bracketed(host: str) -> str:

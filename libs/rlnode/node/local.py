@@ -291,7 +291,8 @@ class LocalNode:
         self.bootstrap = self.broker.bootstrap_servers
         self.kafka_ca = ca_certificate(self.data_dir)
         self.kafka_users = {user.name: user for user in users(self.data_dir).users(ON_THE_BUS)}
-        self.operator = admin_settings(self.data_dir, self.bootstrap)
+        assert self.broker.admin is not None  # the node's broker is a secured one
+        self.operator = self.broker.admin.client_settings(self.bootstrap, self.kafka_ca)
 
     def _use_own_cluster(self) -> None:
         """A cluster of the user's own (KAFKA_BOOTSTRAP_SERVERS): the node talks to it as
