@@ -32,6 +32,11 @@ def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
     workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
     os.environ.setdefault(FREE_PORTS_ENV, worker_port_range(int(worker), int(workers)))
+    # Every broker the tests start lives for a minute or two: C1 alone starts it on about
+    # half the CPU (rlnode.bus.localbroker.PERFORMANCE_ENV).
+    from rlnode.bus.localbroker import JVM_OPTIONS, PERFORMANCE_ENV
+
+    os.environ.setdefault(PERFORMANCE_ENV, " ".join((*JVM_OPTIONS, "-XX:TieredStopAtLevel=1")))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -140,6 +140,24 @@ def test_a_killed_service_takes_the_processes_it_started_with_it(tmp_path) -> No
         time.sleep(0.05)
 
 
+def test_a_service_that_does_not_stop_leaves_its_stacks_in_its_log(tmp_path) -> None:
+    """Past its SIGTERM grace a service is killed; first its threads' and tasks' stacks go
+    to its log, to say what it was waiting on."""
+    from rlnode.node.processes import ServiceProcess
+    from rlnode.service.registry import ServiceSpec
+
+    spec = ServiceSpec("stuck", "tests.integration.stuck_service", 0, "STUCK_")
+    process = ServiceProcess(spec, 0, tmp_path / "stuck.log").start()
+    deadline = time.monotonic() + 30
+    while "ready" not in process.log_tail():
+        assert time.monotonic() < deadline, process.log_tail()
+        time.sleep(0.05)
+    assert process.stop(timeout_s=1) == -9
+    log = process.log_tail(20_000)
+    assert "most recent call first" in log  # faulthandler: every thread
+    assert "waiting_on_something_that_never_comes" in log  # the task it was stuck in
+
+
 def _alive(pid: int) -> bool:
     import os
 

@@ -4,6 +4,8 @@ timing), and the admin operations: topic creation and partition lookup."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
 import ssl
 import time
 from collections.abc import Iterable
@@ -20,6 +22,9 @@ from rlnode.bus.settings import KafkaSettings
 from rlnode.messages import topics
 
 TOPIC_ALREADY_EXISTS = 36
+CONSUMER_CLOSE_TIMEOUT_S = 5.0
+
+log = logging.getLogger("rlnode.bus")
 
 
 def client_id(settings: KafkaSettings, service: str) -> str:
@@ -152,6 +157,26 @@ def consumer(
     return AIOKafkaConsumer(**(defaults | options))  # `options` win (e.g. max_poll_interval_ms)
 
 
+async def close_consumer(
+    consumer: AIOKafkaConsumer, timeout_s: float = CONSUMER_CLOSE_TIMEOUT_S
+) -> None:
+    """Stop a consumer, giving up after `timeout_s`: aiokafka's stop first waits for its
+    group coordination to finish what it is doing (a JoinGroup the broker holds, a lookup of
+    a coordinator not there yet), and a service stopping must not wait on that. A group left
+    without a LeaveGroup drops the member after its session timeout."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            await consumer.stop()
+    except TimeoutError:
+        log.warning(
+            "a consumer did not stop within %.0fs; closed without leaving its group", timeout_s
+        )
+        with contextlib.suppress(Exception):
+            await consumer._client.close()  # its connections (stop cancelled before it got there)
+    except Exception as e:  # a stop that fails leaves nothing to do but say so
+        log.warning("a consumer's stop failed: %s", e)
+
+
 def admin(settings: KafkaSettings) -> AIOKafkaAdminClient:
     return AIOKafkaAdminClient(
         **connection(settings),
@@ -172,10 +197,11 @@ async def ensure_topics(
     settings: KafkaSettings,
     names: Iterable[str] = topics.ALL_TOPICS,
     partitions: int | None = None,
+    replication_factor: int | None = None,
 ) -> list[str]:
-    """Create the named topics with the partition count and size limit from settings and
-    rlnode's retention (topics.RETENTION); topics that already exist are left as they are.
-    Returns the ones it created."""
+    """Create the named topics with the partition count, replication and size limit from
+    settings (or as given) and rlnode's retention (topics.RETENTION); topics that already
+    exist are left as they are. Returns the ones it created."""
     client = admin(settings)
     await _started(client, settings)
     try:
@@ -188,7 +214,7 @@ async def ensure_topics(
                 NewTopic(
                     name,
                     num_partitions=partitions or settings.partitions,
-                    replication_factor=settings.replication_factor,
+                    replication_factor=replication_factor or settings.replication_factor,
                     topic_configs={
                         "max.message.bytes": str(settings.max_message_bytes),
                         **topics.retention_configs(name),
@@ -243,6 +269,22 @@ async def topic_partitions(settings: KafkaSettings, topic: str, wait_s: float = 
             await asyncio.sleep(0.2)
     finally:
         await client.close()
+
+
+async def replication_of(settings: KafkaSettings, topic: str) -> int:
+    """How many replicas `topic`'s first partition has (what a topic made like it gets)."""
+    client = admin(settings)
+    await _started(client, settings)
+    try:
+        described = await client.describe_topics()
+    except KafkaError as e:
+        raise unreachable(settings.bootstrap_servers, e) from e
+    finally:
+        await client.close()
+    for entry in described:
+        if entry["topic"] == topic and entry["partitions"]:
+            return len(min(entry["partitions"], key=lambda p: p["partition"])["replicas"])
+    raise BusUnavailable(f"the topic {topic} does not exist on {settings.bootstrap_servers}")
 
 
 def partition_for(job_id: str, partitions: Iterable[int]) -> int:

@@ -17,7 +17,6 @@ topic's group consumers are the ones that dead-letter them.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Hashable
 from dataclasses import dataclass
@@ -180,8 +179,7 @@ class Subscription(Generic[M]):
                         log.warning(
                             "%s: final commit on %s failed: %s", self.bus.service, self.topic, e
                         )
-            with contextlib.suppress(Exception):
-                await self._consumer.stop()
+            await clients.close_consumer(self._consumer)
             self._consumer = None
         if self._reader is not None:
             await self._reader.stop()

@@ -5,6 +5,7 @@ rlnode plan --gpus N [--role R]  how a host's GPUs are split (--emit compose: it
 rlnode demo                   bring a node up, train, ask the checkpoint, shut down
 rlnode doctor                 check the node's plumbing on the embedded defaults
 rlnode broker                 run the embedded broker in the foreground
+rlnode kafka-cluster H1 H2 H3  plan a Kafka cluster over hosts (rlnode broker --cluster each)
 rlnode kafka-cert NAME --out DIR  a client certificate of the node's Kafka CA (operators)
 rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
 rlnode model init --out DIR   build the tiny model locally
@@ -48,6 +49,8 @@ def _broker_for_node(data_dir: Path) -> Iterator[tuple[KafkaSettings, str]]:
 
 
 def _broker(args: argparse.Namespace) -> int:
+    if args.cluster is not None:
+        return _cluster_broker(args.cluster)
     from rlnode.node.local import admin_settings, node_broker
 
     node = NodeSettings()
@@ -79,6 +82,77 @@ def _broker(args: argparse.Namespace) -> int:
         return 0
     finally:
         broker.stop()
+
+
+BROKER_RESTART_S = 2.0  # between a cluster broker's exit and its next start
+
+
+def _cluster_broker(plan_path: Path) -> int:
+    """One broker of a planned cluster, started again whenever it exits (a crash, a kill):
+    the cluster lives on with the others meanwhile, and it catches up when back."""
+    from rlnode.bus.localbroker import BrokerStartError
+    from rlnode.node.kafka_cluster import BrokerPlan, ClusterPlanError
+
+    try:
+        plan = BrokerPlan.read(plan_path)
+    except ClusterPlanError as e:
+        print(f"rlnode: {e}", file=sys.stderr)
+        return 2
+    stop = {"flag": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(flag=True))
+    broker = plan.broker(NodeSettings().data_dir)
+    where = f"broker {plan.node_id} of cluster {plan.cluster_id} ({len(plan.voters)} brokers)"
+    try:
+        while not stop["flag"]:
+            try:
+                broker.start()
+            except BrokerStartError as e:
+                print(f"rlnode: {where} did not start: {e}", file=sys.stderr, flush=True)
+                time.sleep(BROKER_RESTART_S)
+                continue
+            print(
+                f"Apache Kafka ready on {broker.bootstrap_servers} (pid {broker.pid}), {where}; "
+                f"output in {broker.log_path}",
+                flush=True,
+            )
+            while broker.running and not stop["flag"]:
+                time.sleep(0.2)
+            if not stop["flag"]:
+                print(
+                    f"rlnode: {where} exited (code {broker.exit_code}); starting it again",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                time.sleep(BROKER_RESTART_S)
+        return 0
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        broker.stop()
+
+
+def _kafka_cluster(args: argparse.Namespace) -> int:
+    """Plan a cluster on the control host: a broker file per host, and the exports the node
+    talks to it with."""
+    from rlnode.node.kafka_cluster import BrokerPlan, ClusterPlanError, cluster_env, plan_cluster
+
+    data_dir = NodeSettings().data_dir
+    try:
+        written = plan_cluster(data_dir, args.hosts, args.port, args.controller_port)
+    except ClusterPlanError as e:
+        print(f"rlnode: {e}", file=sys.stderr)
+        return 2
+    env = cluster_env(data_dir, BrokerPlan.read(written[0]))
+    if args.json:
+        print(json.dumps({"brokers": [str(p) for p in written], "env": env}, indent=2))
+        return 0
+    print("# a broker file per host (its key, the admin's login: copy each to its host alone):")
+    for host, path in zip(args.hosts, written, strict=True):
+        print(f"#   {host}: {path}  ->  rlnode broker --cluster {path.name}")
+    print("# then, on this host, before `rlnode up` (the node's admin: keep these to yourself):")
+    for name, value in env.items():
+        print(f"export {name}={value}")
+    return 0
 
 
 def _topics_create(args: argparse.Namespace) -> int:
@@ -474,7 +548,26 @@ def register(commands: argparse._SubParsersAction) -> None:
         "broker", help="run the node's Apache Kafka broker alone, in the foreground"
     )
     broker.add_argument("--port", type=int, default=9092, help="loopback port (default 9092)")
+    broker.add_argument(
+        "--cluster",
+        type=Path,
+        default=None,
+        metavar="BROKER_FILE",
+        help="run this host's broker of a cluster planned with rlnode kafka-cluster (started "
+        "again whenever it exits)",
+    )
     broker.set_defaults(run=_broker)
+    cluster = commands.add_parser(
+        "kafka-cluster",
+        help="plan a Kafka cluster of the node's own over 3+ hosts (operators, control host)",
+    )
+    cluster.add_argument("hosts", nargs="+", help="each broker's host address (node ids 1..n)")
+    cluster.add_argument("--port", type=int, default=9092, help="clients' port (default 9092)")
+    cluster.add_argument(
+        "--controller-port", type=int, default=9093, help="the controllers' port (default 9093)"
+    )
+    cluster.add_argument("--json", action="store_true", help="as JSON, not shell exports")
+    cluster.set_defaults(run=_kafka_cluster)
 
     topics_cmd = commands.add_parser("topics", help="manage rlnode's topics")
     topics_sub = topics_cmd.add_subparsers(dest="topics_command", required=True, metavar="ACTION")

@@ -154,7 +154,10 @@ def _service(spec, node: NodeSettings, kafka: KafkaSettings) -> str:
     finally:
         code = service.stop()
     if code != 0:
-        raise RuntimeError(f"exited with {code} on SIGTERM; log {service.log_path}")
+        raise RuntimeError(
+            f"exited with {code} on SIGTERM; log {service.log_path}, its end:\n"
+            + service.log_tail(4000)
+        )
     said = f"healthy (pid {health['pid']}), stopped cleanly on SIGTERM"
     network = health.get("info", {}).get("taskapp_network")
     if network is not None:  # the gateway: which network its managed Task Apps get

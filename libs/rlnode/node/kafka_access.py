@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlnode.bus.acls import grant, org_acls, org_user
-from rlnode.bus.clients import ensure_topics
+from rlnode.bus.clients import ensure_topics, replication_of
 from rlnode.bus.pki import Identity, NodeCA
 from rlnode.bus.principals import BROKER_CERT_NAME, KafkaUser, UserStore, check_user_name
 from rlnode.bus.settings import KafkaSettings
@@ -123,7 +123,10 @@ async def grant_org(
         store.forget(name)
     user = store.user(name)
     events = topics.org_events(org_id)
-    # One partition: an org's events are few, and its users read them in one order.
-    await ensure_topics(admin, [events], partitions=1)
+    # One partition: an org's events are few, and its users read them in one order. As
+    # many replicas as the node's own job events (three on a cluster), whatever KAFKA_*
+    # the operator's shell has.
+    replicas = await replication_of(admin, topics.JOB_EVENTS)
+    await ensure_topics(admin, [events], partitions=1, replication_factor=replicas)
     await grant(admin, [user], org_acls(org_id))
     return OrgKafkaAccess(org_id, user, events, topics.org_prefix(org_id))

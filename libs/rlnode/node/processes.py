@@ -20,7 +20,9 @@ import httpx
 
 from rlnode.service.files import private_dir, private_file
 from rlnode.service.registry import ServiceSpec
+from rlnode.service.stacks import DUMP_SIGNAL
 
+STACK_DUMP_WAIT_S = 2.0  # for a stuck service's stacks to reach its log before SIGKILL
 # Signals whose default would end this process on the spot, without `finally:` blocks.
 TERMINATING = (signal.SIGTERM, signal.SIGHUP)
 
@@ -215,6 +217,11 @@ class ServiceProcess:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
+                # Its stacks into its log first: what it was waiting on (service/stacks.py).
+                with contextlib.suppress(ProcessLookupError):
+                    self.proc.send_signal(DUMP_SIGNAL)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(STACK_DUMP_WAIT_S)
                 self.proc.kill()
                 self.proc.wait(timeout_s)
         self._reap_group()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -133,10 +134,12 @@ class HostProcess:
     ) -> None:
         self.host = host
         self.data_dir = data_dir
-        data_dir.mkdir(parents=True)
+        data_dir.mkdir(parents=True, exist_ok=True)  # the control host's may hold its plans
         self.log = data_dir.parent / f"{host.name}-up.log"
+        # The control host runs its broker, unless `env` names a cluster.
+        inherited = {k: v for k, v in os.environ.items() if k != "KAFKA_BOOTSTRAP_SERVERS"}
         environment = (
-            os.environ
+            inherited
             | {
                 "RLNODE_DATA_DIR": str(data_dir),
                 "RLNODE_WEIGHTS_DIR": str(weights),
@@ -148,7 +151,6 @@ class HostProcess:
             }
             | (env or {})
         )
-        environment.pop("KAFKA_BOOTSTRAP_SERVERS", None)  # the control host runs its broker
         command = [sys.executable, "-m", "rlnode.cli", "up", "--host", host.address, *argv]
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
@@ -190,6 +192,87 @@ class HostProcess:
         except ProcessLookupError:
             pass
         self.proc.wait()
+
+
+class BrokerHost:
+    """`rlnode broker --cluster FILE` on a test host: one broker of a planned cluster,
+    started again by its `rlnode broker` whenever it exits."""
+
+    READY = re.compile(r"Apache Kafka ready on \S+ \(pid (\d+)\)")
+
+    def __init__(self, host: Host, data_dir: Path, plan: Path) -> None:
+        self.host = host
+        data_dir.mkdir(parents=True)
+        self.data_dir = data_dir
+        self.log = data_dir.parent / f"{host.name}-broker.log"
+        command = [sys.executable, "-m", "rlnode.cli", "broker", "--cluster", str(plan)]
+        environment = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")}
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                host.command(command),
+                env=environment | {"RLNODE_DATA_DIR": str(data_dir)},
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+
+    def starts(self) -> list[int]:
+        """The pid of each start of its broker so far."""
+        text = self.log.read_text(errors="replace") if self.log.exists() else ""
+        return [int(pid) for pid in self.READY.findall(text)]
+
+    def wait_started(self, times: int, timeout_s: float) -> int:
+        """Until its broker has started `times` times; the pid of the last start."""
+
+        def started() -> int | None:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"rlnode broker on {self.host.name} exited: {self.tail()}")
+            pids = self.starts()
+            return pids[-1] if len(pids) >= times else None
+
+        try:
+            return testing.wait_until(started, timeout_s, f"broker on {self.host.name}")
+        except TimeoutError as e:
+            raise AssertionError(f"{e}: {self.tail()}") from None
+
+    def tail(self, chars: int = 3000) -> str:
+        broker_log = self.data_dir / "logs" / "broker.log"
+        said = self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
+        if broker_log.exists():
+            said += f"\n-- {broker_log}:\n" + broker_log.read_text(errors="replace")[-chars:]
+        return said
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # a controlled shutdown of its broker
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def plan_cluster(control_data_dir: Path, hosts: list[Host]) -> tuple[list[Path], dict[str, str]]:
+    """`rlnode kafka-cluster <the hosts' addresses> --json` on the control host, as its
+    operator: a broker file per host, and the KAFKA_* its node talks to the cluster with."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "rlnode.cli", "kafka-cluster", "--json"]
+        + [h.address for h in hosts],
+        env=env | {"RLNODE_DATA_DIR": str(control_data_dir)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"rlnode kafka-cluster failed: {done.stderr or done.stdout}")
+    planned = json.loads(done.stdout)
+    return [Path(p) for p in planned["brokers"]], planned["env"]
 
 
 @dataclass

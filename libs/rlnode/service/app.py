@@ -22,6 +22,7 @@ from rlnode.service.auth import TOKEN_PATTERN, redact_tokens
 from rlnode.service.files import make_private, private_dir
 from rlnode.service.registry import ServiceSpec
 from rlnode.service.settings import ServiceSettings
+from rlnode.service.stacks import install_stack_dump
 
 S = TypeVar("S", bound=ServiceSettings)
 
@@ -140,6 +141,7 @@ def serve(spec: ServiceSpec, settings_type: type[S], app_factory: Callable[[S], 
         )
         return 2
     configure_logging(service, settings.log_level)
+    install_stack_dump()
     private_dir(settings.node.data_dir)
     try:
         app = app_factory(settings)

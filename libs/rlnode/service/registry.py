@@ -21,8 +21,7 @@ class ServiceSpec:
     token_scopes: tuple[Scope, ...] = ()  # what its node-wide service token may do
     client_url_env: str | None = None  # where the CLI and SDK read its URL
     health_path: str = "/health"
-    # It reads and writes Kafka topics: when an embedded broker (memory only) is started
-    # again, it is started again too, to begin from the new broker's empty topics.
+    # It reads and writes Kafka topics: it logs in to the broker as a Kafka user of its own.
     on_the_bus: bool = False
 
     @property

@@ -1,0 +1,39 @@
+"""A service's stacks in its log on SIGUSR1: what a process that will not stop is waiting on.
+
+A supervisor sends SIGUSR1 to a service that outlived its SIGTERM grace, just before the
+SIGKILL (processes.py): every thread's stack (faulthandler, which writes even when the event
+loop is stuck in C) and every asyncio task's (where the loop still runs Python) go to
+stderr, which is the service's log."""
+
+from __future__ import annotations
+
+import asyncio
+import faulthandler
+import signal
+import sys
+from types import FrameType
+
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+def dump_tasks(loop: asyncio.AbstractEventLoop) -> None:
+    tasks = asyncio.all_tasks(loop)
+    print(f"--- {len(tasks)} asyncio tasks ---", file=sys.stderr)
+    for task in tasks:
+        task.print_stack(limit=12, file=sys.stderr)
+    sys.stderr.flush()
+
+
+def install_stack_dump() -> None:
+    """On DUMP_SIGNAL: the threads' stacks at once, the tasks' once the loop runs Python."""
+
+    def on_signal(_signum: int, _frame: FrameType | None) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return
+        loop.call_soon_threadsafe(dump_tasks, loop)
+
+    signal.signal(DUMP_SIGNAL, on_signal)
+    # chain: faulthandler's C handler runs first, then the Python handler above.
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True, chain=True)

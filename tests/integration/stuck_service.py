@@ -1,0 +1,18 @@
+"""A stand-in service for the process tests: it ignores SIGTERM and waits in a function
+whose name its stack dump must show (a service stuck in its shutdown)."""
+
+import asyncio
+import signal
+
+from rlnode.service.stacks import install_stack_dump
+
+
+async def waiting_on_something_that_never_comes() -> None:
+    await asyncio.Event().wait()
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    install_stack_dump()
+    print("ready", flush=True)
+    asyncio.run(waiting_on_something_that_never_comes())
