@@ -43,7 +43,7 @@ pytestmark = pytest.mark.skipif(
     (why := hosts.available()) is not None, reason=f"no test hosts here: {why}"
 )
 
-STEPS, PROMPTS, GROUP = 16, 2, 4
+STEPS, PROMPTS, GROUP = 24, 2, 4  # long enough that every fault lands mid-job
 GENERATOR = "rollout-generator/gen0"
 
 
@@ -111,18 +111,19 @@ def test_a_job_over_three_hosts_survives_a_killed_broker_and_generator_and_a_pul
             return lambda: user.learner_job(job_id).get("step", 0) >= step
 
         testing.wait_until(at_step(2), 300, f"{job_id} at step 2")
-        # B's broker SIGKILLed, as a crash: two brokers carry on (min.insync.replicas 2);
-        # `rlnode broker` starts it again, and it catches up.
+        # B's broker and generator SIGKILLed, as a crash: two brokers carry on
+        # (min.insync.replicas 2); `rlnode broker` starts B's again and it catches up, and
+        # B's supervisor starts its generator again.
         killed_broker = brokers[1].starts()[-1]
-        os.kill(killed_broker, signal.SIGKILL)
-        assert brokers[1].wait_started(2, 180) != killed_broker
-        # B's generator SIGKILLed: B's supervisor starts it again.
         killed = inference[0].wait_up(10)["services"][GENERATOR]["pid"]
+        os.kill(killed_broker, signal.SIGKILL)
         os.kill(killed, signal.SIGKILL)
         testing.wait_until(at_step(6), 300, f"{job_id} at step 6 after B's broker and generator")
+        assert brokers[1].wait_started(2, 180) != killed_broker
         # C's cable pulled mid-job, for good: its broker is gone (A's and B's carry on), its
         # work goes to B once C leaves the group.
         c.link(up=False)
+        assert user.learner_job(job_id)["status"] == "running", "the job ended before the pull"
         done = user.wait_for_end(job_id, 600)
         assert done["status"] == "completed", (done, control.tail())
         restarted = inference[0].wait_up(10)["services"][GENERATOR]

@@ -70,11 +70,12 @@ def users(data_dir: Path) -> UserStore:
     return UserStore.of_node(data_dir)
 
 
-def join_payload(data_dir: Path, services: tuple[str, ...]) -> dict[str, Any]:
-    """What the join file carries for the joining host's services: the CA's certificate and
-    each service's Kafka user (never the CA's key, nor the admin's password)."""
+def join_payload(data_dir: Path, services: tuple[str, ...], ca_pem: bytes) -> dict[str, Any]:
+    """What the join file carries for the joining host's services: the certificate of the
+    CA that signed the brokers' and each service's Kafka user (never the CA's key, nor the
+    admin's password)."""
     return {
-        "ca": node_ca(data_dir).cert_pem.decode(),
+        "ca": ca_pem.decode(),
         "users": {user.name: user.password for user in users(data_dir).users(list(services))},
     }
 

@@ -271,7 +271,10 @@ class LocalNode:
         for spec in (s for s in SERVICES if s.name in JOINING_SERVICES):
             tokens[spec.name] = self.service_token(list(spec.token_scopes), spec.name)
         serving = self.processes.get(CHECKPOINT_SERVER.name)
-        joining = join_payload(self.data_dir, JOINING_SERVICES) if self.broker else {}
+        # Its users where the node makes them (its broker, or a cluster it has the admin of).
+        joining = {}
+        if self.kafka_users and self.kafka_ca is not None:
+            joining = join_payload(self.data_dir, JOINING_SERVICES, self.kafka_ca.read_bytes())
         info = JoinInfo(
             bootstrap=self.bootstrap,
             kafka=joining,
@@ -453,8 +456,10 @@ class LocalNode:
                 else None
             ),
             "broker_restarts": self.restarts.get("broker", 0),
-            # Where the node's own tools find the admin's credentials (rlnode.sdk.local_node).
-            "kafka_ca": str(self.kafka_ca) if self.broker and self.kafka_ca else None,
+            # Where the node's own tools find the admin's credentials (rlnode.sdk.local_node):
+            # its broker's, or a cluster's it makes the users of (its admin is the node's
+            # when `rlnode kafka-cluster` planned it).
+            "kafka_ca": str(self.kafka_ca) if self.kafka_ca else None,
             "plan": [
                 {"role": role, "gpus": gpus, "runs": runs}
                 for role, gpus, runs in (self.options.plan or make_plan(0)).rows()

@@ -21,6 +21,7 @@ from pathlib import Path
 import httpx
 
 from rlnode import testing
+from rlnode.bus.localbroker import HEAP_ENV, PERFORMANCE_ENV
 from rlnode.bus.settings import KafkaSettings
 from rlnode.examples import task_app_path
 from rlnode.messages import JobConfig, JobEvent
@@ -206,7 +207,12 @@ class BrokerHost:
         self.data_dir = data_dir
         self.log = data_dir.parent / f"{host.name}-broker.log"
         command = [sys.executable, "-m", "rlnode.cli", "broker", "--cluster", str(plan)]
-        environment = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")}
+        # Not a client's KAFKA_* (the broker file says everything), but the JVM's own.
+        environment = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("KAFKA_") or k in (HEAP_ENV, PERFORMANCE_ENV)
+        }
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
                 host.command(command),
