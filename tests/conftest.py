@@ -98,8 +98,8 @@ def kafka_broker() -> Iterator[BrokerHandle]:
 
 @pytest.fixture
 def kafka_settings(kafka_broker: BrokerHandle) -> KafkaSettings:
-    # 6 s is Kafka's minimum session timeout; a shorter one makes the first group join
-    # (which waits for stragglers) quicker on Tansu.
+    # 6 s is Kafka's minimum session timeout: a member that left without a word (a killed
+    # consumer) holds its partitions no longer than that.
     return KafkaSettings(
         bootstrap_servers=kafka_broker.bootstrap_servers,
         session_timeout_ms=6000,

@@ -538,3 +538,30 @@ async def test_a_stop_does_not_wait_for_records_whose_producer_cannot_be_checked
     await eventually(lambda: subscription.in_flight > 0, 60, "a record waiting for its check")
     await asyncio.wait_for(bus.stop(drain_timeout_s=600), 60)
     assert handled == [] and subscription.ledger.committable() == {}
+
+
+async def test_a_reader_cancelled_while_it_starts_leaves_no_consumer_open(
+    kafka_settings, caplog
+) -> None:
+    """An event stream whose HTTP client goes away cancels its reader wherever it is in its
+    start (the partitions, the consumer's start, the seek): nothing stays open."""
+    import gc
+
+    from rlnode.bus import TopicReader
+
+    caplog.set_level(logging.ERROR, logger="asyncio")
+    for delay in (0.0, 0.005, 0.02, 0.05, 0.1, 0.2, 0.4):
+        reader = TopicReader(kafka_settings, topics.JOB_EVENTS, service="cancelled", key="j")
+        starting = asyncio.create_task(reader.start())
+        await asyncio.sleep(delay)
+        starting.cancel()
+        try:
+            await starting
+        except asyncio.CancelledError:
+            pass
+        else:  # it had started: a stop closes it
+            await reader.stop()
+        assert reader._consumer is None, delay
+    gc.collect()
+    await asyncio.sleep(0)
+    assert "Unclosed" not in caplog.text, caplog.text

@@ -73,16 +73,23 @@ class TopicReader:
         except (KafkaConnectionError, OSError) as e:
             await consumer.stop()
             raise await clients.connect_error(self.settings, e) from e
+        except BaseException:  # cancelled (an event stream's client went away): close it
+            await consumer.stop()
+            raise
         self._consumer = consumer
-        consumer.assign(partitions)
-        if self.since is not None:
-            await self._seek_to_time(consumer, partitions, self.since)
-        elif self.from_beginning:
-            await consumer.seek_to_beginning(*partitions)
-        else:
-            await consumer.seek_to_end(*partitions)
-        self._ends = await consumer.end_offsets(partitions)
-        await self._check_caught_up()
+        try:
+            consumer.assign(partitions)
+            if self.since is not None:
+                await self._seek_to_time(consumer, partitions, self.since)
+            elif self.from_beginning:
+                await consumer.seek_to_beginning(*partitions)
+            else:
+                await consumer.seek_to_end(*partitions)
+            self._ends = await consumer.end_offsets(partitions)
+            await self._check_caught_up()
+        except BaseException:  # `async with` exits only what it entered
+            await self.stop()
+            raise
 
     @staticmethod
     async def _seek_to_time(
