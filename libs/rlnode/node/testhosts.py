@@ -122,6 +122,22 @@ class TestNetwork:
         self.close()
 
 
+def stop_on_host(proc: subprocess.Popen) -> None:
+    """SIGTERM a host's process, a minute for it to stop in order, then SIGKILL whatever is
+    left of its process group."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
 class HostProcess:
     """`rlnode up` on a test host, in the foreground of its namespace."""
 
@@ -182,17 +198,7 @@ class HostProcess:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # it stops its services in order
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        stop_on_host(self.proc)  # it stops its services in order
 
 
 class BrokerHost:
@@ -250,17 +256,7 @@ class BrokerHost:
         return said
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)  # a controlled shutdown of its broker
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                pass
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
+        stop_on_host(self.proc)  # a controlled shutdown of its broker
 
 
 def plan_cluster(control_data_dir: Path, hosts: list[Host]) -> tuple[list[Path], dict[str, str]]:
