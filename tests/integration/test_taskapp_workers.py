@@ -16,6 +16,7 @@ from tests.integration import isolated_app
 from tests.integration.fakes import scripted_policy
 
 KEY = "isolated-test-key-0123456789"
+SLEEP = {"behaviour": "sleep"}  # 3 s in the worker; says when it ran and in which process
 
 
 @pytest.fixture(scope="module")
@@ -83,10 +84,10 @@ def test_what_an_episode_raises_is_that_rollouts_failure(app_url, policy) -> Non
 async def test_episodes_run_side_by_side_up_to_the_processes(app_url, policy) -> None:
     async with httpx.AsyncClient(timeout=60) as client:
 
-        async def one(seed: int) -> dict:
+        async def one(seed: int, config: dict) -> dict:
             body = {
                 "run_id": f"run-{seed}",
-                "env": {"seed": seed, "config": {"behaviour": "sleep"}},
+                "env": {"seed": seed, "config": config},
                 "policy": {"config": {"inference_url": policy, "model": "m"}},
             }
             response = await client.post(
@@ -95,7 +96,11 @@ async def test_episodes_run_side_by_side_up_to_the_processes(app_url, policy) ->
             assert response.status_code == 200, response.text
             return response.json()["trajectories"][0]["steps"][0]["info"]
 
-        first, second = await asyncio.gather(one(11), one(12))
+        # Two at once first: a worker is spawned when none is idle (the tests before killed
+        # some), and on a loaded machine a spawn took longer than a 3 s episode, so the
+        # pair below ran one after the other. Now both its workers are there.
+        await asyncio.gather(one(9, {}), one(10, {}))
+        first, second = await asyncio.gather(one(11, SLEEP), one(12, SLEEP))
     assert first["pid"] != second["pid"]
     (start_a, end_a), (start_b, end_b) = first["ran"], second["ran"]
     assert start_a < end_b and start_b < end_a, "the two episodes ran one after the other"
