@@ -191,6 +191,9 @@ async def _started(client: AIOKafkaAdminClient, settings: KafkaSettings) -> None
     except (KafkaConnectionError, OSError) as e:
         await client.close()
         raise await connect_error(settings, e) from e
+    except BaseException:  # cancelled while it connects: nothing left open
+        await client.close()
+        raise
 
 
 async def ensure_topics(
