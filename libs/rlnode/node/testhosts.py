@@ -262,19 +262,24 @@ class BrokerHost:
 def plan_cluster(control_data_dir: Path, hosts: list[Host]) -> tuple[list[Path], dict[str, str]]:
     """`rlnode kafka-cluster <the hosts' addresses> --json` on the control host, as its
     operator: a broker file per host, and the KAFKA_* its node talks to the cluster with."""
+    planned = operator_json(control_data_dir, "kafka-cluster", *(h.address for h in hosts))
+    return [Path(p) for p in planned["brokers"]], planned["env"]
+
+
+def operator_json(control_data_dir: Path, command: str, *args: str) -> dict:
+    """`rlnode COMMAND ARGS --json` on the control host as its operator (the node's data
+    dir, none of this shell's KAFKA_*): what it printed."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")}
     done = subprocess.run(
-        [sys.executable, "-m", "rlnode.cli", "kafka-cluster", "--json"]
-        + [h.address for h in hosts],
+        [sys.executable, "-m", "rlnode.cli", command, *args, "--json"],
         env=env | {"RLNODE_DATA_DIR": str(control_data_dir)},
         capture_output=True,
         text=True,
         timeout=120,
     )
     if done.returncode != 0:
-        raise RuntimeError(f"rlnode kafka-cluster failed: {done.stderr or done.stdout}")
-    planned = json.loads(done.stdout)
-    return [Path(p) for p in planned["brokers"]], planned["env"]
+        raise RuntimeError(f"rlnode {command} failed: {done.stderr or done.stdout}")
+    return json.loads(done.stdout)
 
 
 @dataclass
@@ -346,17 +351,9 @@ class User:
 def kafka_credentials(control_data_dir: Path, org_id: str) -> KafkaSettings:
     """`rlnode kafka-credentials ORG --json` on the control host, as its operator: the org's
     login."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KAFKA_")}
-    done = subprocess.run(
-        [sys.executable, "-m", "rlnode.cli", "kafka-credentials", org_id, "--json"],
-        env=env | {"RLNODE_DATA_DIR": str(control_data_dir)},
-        capture_output=True,
-        text=True,
-        timeout=120,
+    return KafkaSettings.from_exports(
+        operator_json(control_data_dir, "kafka-credentials", org_id)["env"]
     )
-    if done.returncode != 0:
-        raise RuntimeError(f"rlnode kafka-credentials failed: {done.stderr or done.stdout}")
-    return KafkaSettings.from_exports(json.loads(done.stdout)["env"])
 
 
 async def kafka_client_outcome(settings: KafkaSettings, **overrides) -> str:
