@@ -260,7 +260,7 @@ class LocalNode:
             tinker = vault_url | self._token_env(TINKER_API)
             self._service(TINKER_API, tinker | {"GENERATOR_URLS": ",".join(generator_urls)})
         for process in self.processes.values():
-            process.wait_healthy(timeout_s=60)
+            process.wait_healthy()
         if join is None and self.options.host != "127.0.0.1":  # loopback: none could join
             self.write_join_info(gateway_urls, learner_url)
         self.write_state()
@@ -389,7 +389,7 @@ class LocalNode:
         ).start()
         self.processes[key] = process
         if spec is VAULT:
-            process.wait_healthy(timeout_s=60)  # the others need tokens from it
+            process.wait_healthy()  # the others need tokens from it
         return process
 
     # -- supervision ----------------------------------------------------------------------
