@@ -237,14 +237,34 @@ async def ensure_topics(
         await client.close()
 
 
+# How long a metadata request is tried again while the broker it went to is down.
+METADATA_RETRY_S = 30.0
+
+
+async def described_topics(
+    client: AIOKafkaAdminClient, settings: KafkaSettings, retry_s: float = METADATA_RETRY_S
+) -> list[dict]:
+    """Every topic's metadata, from whichever broker answers. The admin client sends it to a
+    broker picked at random from the metadata it holds, which names a broker that just died
+    until the controllers fence it (a generator started again beside its killed broker
+    failed its start so, in tests/multihost): a retriable error is tried again, on another
+    pick, for `retry_s`."""
+    deadline = time.monotonic() + retry_s
+    while True:
+        try:
+            return await client.describe_topics()
+        except KafkaError as e:
+            if not e.retriable or time.monotonic() > deadline:
+                raise unreachable(settings.bootstrap_servers, e) from e
+        await asyncio.sleep(0.2)
+
+
 async def topic_names(settings: KafkaSettings) -> set[str]:
     """The topics this client may see (Describe) on the cluster."""
     client = admin(settings)
     await _started(client, settings)
     try:
-        return set(await client.list_topics())
-    except KafkaError as e:
-        raise unreachable(settings.bootstrap_servers, e) from e
+        return {entry["topic"] for entry in await described_topics(client, settings)}
     finally:
         await client.close()
 
@@ -257,11 +277,7 @@ async def topic_partitions(settings: KafkaSettings, topic: str, wait_s: float = 
     deadline = time.monotonic() + wait_s
     try:
         while True:
-            try:
-                described = await client.describe_topics()
-            except KafkaError as e:
-                raise unreachable(settings.bootstrap_servers, e) from e
-            for entry in described:
+            for entry in await described_topics(client, settings):
                 if entry["topic"] == topic and entry["partitions"]:
                     return sorted(p["partition"] for p in entry["partitions"])
             if time.monotonic() > deadline:
@@ -279,9 +295,7 @@ async def replication_of(settings: KafkaSettings, topic: str) -> int:
     client = admin(settings)
     await _started(client, settings)
     try:
-        described = await client.describe_topics()
-    except KafkaError as e:
-        raise unreachable(settings.bootstrap_servers, e) from e
+        described = await described_topics(client, settings)
     finally:
         await client.close()
     for entry in described:

@@ -197,8 +197,22 @@ class HostProcess:
     def tail(self, chars: int = 3000) -> str:
         return self.log.read_text(errors="replace")[-chars:] if self.log.exists() else ""
 
+    def exits(self, service: str) -> str:
+        """Why `service` exited on this host: the supervisor's lines about it, and the
+        errors in its own log (a test's tmp_path is gone once CI reports the failure)."""
+        said = [line for line in self.tail(1 << 20).splitlines() if service in line]
+        errors = []  # "rollout-generator/gen0" logs to rollout-generator-gen0.log
+        for path in sorted((self.data_dir / "logs").glob(f"{service.replace('/', '-')}*.log")):
+            lines = path.read_text(errors="replace").splitlines()
+            errors += [f"{path.name}: {line[:300]}" for line in lines if _is_error(line)]
+        return "\n".join([*said, "its log's errors (the last 40):", *errors[-40:]])
+
     def stop(self) -> None:
         stop_on_host(self.proc)  # it stops its services in order
+
+
+def _is_error(line: str) -> bool:
+    return " ERROR " in line or " CRITICAL " in line or line.startswith(("Traceback", "  File "))
 
 
 class BrokerHost:
