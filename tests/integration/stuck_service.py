@@ -11,8 +11,13 @@ async def waiting_on_something_that_never_comes() -> None:
     await asyncio.Event().wait()
 
 
+async def shutting_down() -> None:
+    # Nested: Task.print_stack shows only the outermost coroutine; the dump walks the chain.
+    await waiting_on_something_that_never_comes()
+
+
 if __name__ == "__main__":
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     install_stack_dump()
     print("ready", flush=True)
-    asyncio.run(waiting_on_something_that_never_comes())
+    asyncio.run(shutting_down())

@@ -16,11 +16,34 @@ from types import FrameType
 DUMP_SIGNAL = signal.SIGUSR1
 
 
+def awaiting(task: asyncio.Task) -> list[str]:
+    """Where a task waits, outermost first: each coroutine's frame down the `await` chain
+    (Task.print_stack shows only the outermost), then what the innermost awaits: a gather's
+    children, a future, a task."""
+    lines: list[str] = []
+    awaited: object = task.get_coro()
+    for _ in range(64):  # a chain that long is a bug of its own; stop, don't loop
+        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+        if frame is None:
+            break
+        lines.append(
+            f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
+        )
+        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+    if isinstance(awaited, asyncio.Future):
+        children = getattr(awaited, "_children", None)  # gather's, private but stable
+        lines.append(f"  awaiting {awaited!r}"[:400])
+        for child in children or ():
+            lines.append(f"    child {child!r}"[:400])
+    return lines
+
+
 def dump_tasks(loop: asyncio.AbstractEventLoop) -> None:
     tasks = asyncio.all_tasks(loop)
     print(f"--- {len(tasks)} asyncio tasks ---", file=sys.stderr)
     for task in tasks:
-        task.print_stack(limit=12, file=sys.stderr)
+        print(f"task {task.get_name()}:", file=sys.stderr)
+        print("\n".join(awaiting(task)), file=sys.stderr)
     sys.stderr.flush()
 
 
