@@ -26,9 +26,7 @@ def awaiting(task: asyncio.Task) -> list[str]:
         frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
         if frame is None:
             break
-        lines.append(
-            f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}"
-        )
+        lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
         awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
     if isinstance(awaited, asyncio.Future):
         children = getattr(awaited, "_children", None)  # gather's, private but stable
