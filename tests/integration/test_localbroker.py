@@ -138,3 +138,99 @@ def test_a_node_started_again_on_its_data_dir_finds_its_topics_users_and_acls(tm
     broker_dir = tmp_path / "node" / "broker"
     assert (broker_dir / "server.properties").stat().st_mode & 0o077 == 0
     assert (tmp_path / "node" / "secrets" / "kafka" / "users.json").stat().st_mode & 0o077 == 0
+
+
+def test_compose_s_format_step_formats_a_broker_s_log_with_the_admin(tmp_path) -> None:
+    """compose.yaml's brokers are formatted by a step of their own (the image's start cannot
+    add a SCRAM user): its script, run by a shell with its broker's environment as compose
+    gives it, formats the log directory with the node id and cluster id compose gives. Kafka's
+    storage tool stands where the image has kafka-storage.sh; the secrets where compose
+    mounts them are files of this test's."""
+    import os
+    import subprocess
+
+    from rlnode.bus.localbroker import find_java, find_kafka_libs
+    from rlnode.node.compose import (
+        ADMIN_PASSWORD_ENV,
+        KAFKA_CA_SECRET,
+        KAFKA_DATA,
+        KAFKA_KEYSTORE_SECRET,
+        kafka_format_script,
+        one_node_brokers,
+    )
+
+    identity = NodeCA.ensure(tmp_path / "ca").write_identity(
+        tmp_path / "b", BROKER_CERT_NAME, ("kafka-2",)
+    )
+    bundle = tmp_path / "b" / "bundle.pem"
+    bundle.write_bytes(identity.pem_bundle())
+    mounted = {
+        KAFKA_CA_SECRET: str(identity.ca),
+        KAFKA_KEYSTORE_SECRET: str(bundle),
+        KAFKA_DATA: str(tmp_path / "data"),
+    }
+    env = one_node_brokers()[2]
+    # What compose makes of it: `$$` is `$`, the ${...} interpolated.
+    container = {name: mounted.get(v, v).replace("$$", "$") for name, v in env.items()}
+    container |= {"CLUSTER_ID": "MkU3OEVBNTcwNTJENDM2Qg", ADMIN_PASSWORD_ENV: "a-password"}
+    storage_tool = f"{find_java()} -cp '{find_kafka_libs()}/*' kafka.tools.StorageTool"
+    script = (
+        kafka_format_script(env)
+        .replace("$$", "$")
+        .replace("/opt/kafka/bin/kafka-storage.sh", storage_tool)
+        .replace("/tmp/format.properties", str(tmp_path / "format.properties"))
+    )
+    done = subprocess.run(
+        ["sh", "-c", script],
+        env={"PATH": os.environ["PATH"], **container},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr + done.stdout
+    meta = (tmp_path / "data" / "meta.properties").read_text()
+    assert "node.id=2" in meta and "cluster.id=MkU3OEVBNTcwNTJENDM2Qg" in meta
+    written = (tmp_path / "format.properties").read_text()
+    assert "RULE:^CN=([^,]+)$/$1/,DEFAULT" in written and "a-password" not in written
+    assert (tmp_path / "format.properties").stat().st_mode & 0o077 == 0  # umask 077
+
+
+def test_kafka_users_makes_each_service_s_login_and_acls_as_the_admin(tmp_path) -> None:
+    """compose's `kafka-access` step: `rlnode kafka-users`, as the admin, gives each service
+    the password compose's environment names and the ACLs its code declares; a missing
+    password is named before anything is made."""
+    import os
+    import subprocess
+    import sys
+
+    from rlnode.bus.clients import refused_login
+    from rlnode.node.compose import kafka_acls, kafka_password_variable, kafka_users
+
+    identity = NodeCA.ensure(tmp_path / "ca").write_identity(
+        tmp_path / "b", BROKER_CERT_NAME, ("127.0.0.1",)
+    )
+    admin = KafkaUser(ADMIN, "admin-password-of-this-test-0123456789")
+    with LocalBroker(tmp_path / "kafka", identity, admin) as broker:
+        admin_env = admin.client_env(broker.bootstrap_servers, identity.ca)
+        passwords = {kafka_password_variable(u): f"pw-{u}-0123456789" for u in kafka_users()}
+        env = {**os.environ, **admin_env, **passwords}
+        run = [sys.executable, "-m", "rlnode.cli", "kafka-users"]
+        missing = subprocess.run(
+            run,
+            env={k: v for k, v in env.items() if k != "KAFKA_LEARNER_PASSWORD"},
+            capture_output=True,
+            text=True,
+        )
+        assert missing.returncode == 2 and "missing: KAFKA_LEARNER_PASSWORD" in missing.stderr
+        done = subprocess.run(run, env=env, capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        admin_settings = admin.client_settings(broker.bootstrap_servers, identity.ca)
+        assert set(granted_sync(admin_settings)) >= set(kafka_acls())
+        learner = KafkaUser("learner", passwords["KAFKA_LEARNER_PASSWORD"])
+        settings = learner.client_settings(broker.bootstrap_servers, identity.ca)
+        assert asyncio.run(refused_login(settings)) is None
+        wrong = KafkaUser("learner", "not-its-password-0123456789")
+        refusal = asyncio.run(
+            refused_login(wrong.client_settings(broker.bootstrap_servers, identity.ca))
+        )
+        assert refusal is not None and "invalid credentials" in refusal

@@ -19,15 +19,22 @@ from rlnode.messages.config import TopologySpec
 from rlnode.node.compose import (
     FETCHED_WEIGHTS_DIR,
     HOST_VARIABLES,
+    KAFKA_BROKERS,
+    KAFKA_IMAGE,
     ROLE_FILE_GPUS,
     ROLE_FILES,
+    control_host_broker,
     generator_port,
     host,
-    kafka_acl_script,
+    image_setting,
+    image_variable,
     kafka_acls,
+    kafka_bootstrap,
     kafka_client_env,
-    kafka_jaas,
+    kafka_format_script,
+    kafka_health_check,
     kafka_users,
+    one_node_brokers,
     override,
     role_gpu_services,
 )
@@ -70,10 +77,17 @@ def _node_wide_names() -> set[str]:
 
 def test_infrastructure_is_there() -> None:
     services = COMPOSE["services"]
-    assert services["kafka"]["image"].startswith("apache/kafka")
-    assert "broker,controller" in services["kafka"]["environment"]["KAFKA_PROCESS_ROLES"]  # KRaft
+    for name in KAFKA_BROKERS:
+        assert services[name]["image"] == KAFKA_IMAGE
+        assert "broker,controller" in services[name]["environment"]["KAFKA_PROCESS_ROLES"]
+        assert services[name]["volumes"] == [f"{name}-data:/var/lib/kafka/data"]
     assert services["postgres"]["image"].startswith("postgres")
-    assert "kafka-data:/var/lib/kafka/data" in services["kafka"]["volumes"]
+
+
+def test_the_kafka_image_is_the_version_make_setup_fetches() -> None:
+    pom = (ROOT / "deploy" / "kafka" / "pom.xml").read_text()
+    (version,) = re.findall(r"<kafka.version>([^<]+)</kafka.version>", pom)
+    assert KAFKA_IMAGE == f"apache/kafka:{version}"
 
 
 def _instances(document: dict, spec) -> list[str]:
@@ -106,8 +120,10 @@ def test_every_service_runs_its_entry_point_with_known_settings(path, spec, name
             assert key in _node_wide_names(), f"{spec.name}: {key} is nobody's setting"
     for needed in service.get("depends_on", {}):  # only what this file runs
         assert needed in document["services"], (path, name, needed)
-    if "kafka" in document["services"]:
-        assert service["depends_on"]["kafka"]["condition"] == "service_healthy"
+    if "kafka-access" in document["services"]:  # its users and ACLs are made first
+        assert service["depends_on"]["kafka-access"]["condition"] == (
+            "service_completed_successfully"
+        )
     assert "healthcheck" in service
 
 
@@ -155,7 +171,8 @@ def test_each_role_file_is_its_role_s_8_gpu_plan(role) -> None:
     same thing."""
     document = DOCUMENTS[ROLE_FILES[role]]
     wanted = role_gpu_services(make_plan(ROLE_FILE_GPUS, roles=(role,)))
-    assert set(wanted) == set(document["services"]) - {"kafka", "postgres", "topics"}
+    infrastructure = {"kafka", "kafka-format", "kafka-access", "postgres", "topics"}
+    assert set(wanted) == set(document["services"]) - infrastructure
     for name, service in wanted.items():
         assert document["services"][name]["deploy"] == service["deploy"], name
         for key, value in service["environment"].items():
@@ -213,7 +230,7 @@ def test_another_host_s_address_or_a_secret_must_be_given(path) -> None:
     """Every variable a role file reads is `${NAME:?what it is}`: compose refuses to start
     without it instead of running with an empty address or token."""
     text = (ROOT / path).read_text()
-    uses = re.findall(r"\$\{([^}]*)\}", text)
+    uses = re.findall(r"(?<!\$)\$\{([^}]*)\}", text)  # `$${...}`: the shell's, not compose's
     assert uses
     for use in uses:
         assert re.fullmatch(r"[A-Z_]+:\?.+", use), (path, use)
@@ -301,33 +318,86 @@ def test_compose_follows_the_compose_specification_schema() -> None:
 
 # -- Kafka: SASL_SSL only, one user per service, ACLs from the code's declaration --------
 
+
+def _brokers(path: str) -> dict[str, dict[str, str]]:
+    """A compose file's brokers, by service name, and the environment each is written to
+    have (the node's broker's own settings: rlnode.node.compose)."""
+    if path == "compose.yaml":
+        return dict(zip(KAFKA_BROKERS, one_node_brokers().values(), strict=True))
+    return {"kafka": control_host_broker()}
+
+
 KAFKA_FILES = ["compose.yaml", ROLE_FILES["control"]]
 
 
 @pytest.mark.parametrize("path", KAFKA_FILES)
-def test_kafka_takes_sasl_ssl_only_and_denies_what_no_acl_allows(path) -> None:
+def test_the_brokers_are_the_node_s_own_broker_s_settings(path) -> None:
     document = DOCUMENTS[path]
-    env = document["services"]["kafka"]["environment"]
-    protocols = dict(p.split(":") for p in env["KAFKA_LISTENER_SECURITY_PROTOCOL_MAP"].split(","))
-    assert {name: p for name, p in protocols.items() if p != "SASL_SSL"} == {
-        "CONTROLLER": "PLAINTEXT"
-    }
-    listeners = dict(entry.split("://") for entry in env["KAFKA_LISTENERS"].split(","))
-    assert listeners["CONTROLLER"].startswith("127.0.0.1:")  # the container's loopback only
-    assert env["KAFKA_AUTHORIZER_CLASS_NAME"].endswith("StandardAuthorizer")
-    assert env["KAFKA_ALLOW_EVERYONE_IF_NO_ACL_FOUND"] == "false"
-    assert env["KAFKA_SUPER_USERS"] == "User:admin;User:ANONYMOUS"
-    for name, protocol in protocols.items():
-        if protocol == "SASL_SSL":
-            assert env[f"KAFKA_LISTENER_NAME_{name}_PLAIN_SASL_JAAS_CONFIG"] == kafka_jaas()
-    bootstrap = next(
-        s["environment"]["KAFKA_BOOTSTRAP_SERVERS"]
-        for s in document["services"].values()
-        if "KAFKA_BOOTSTRAP_SERVERS" in s.get("environment", {})
+    for name, env in _brokers(path).items():
+        broker = document["services"][name]
+        assert {k: str(v) for k, v in broker["environment"].items()} == env, name
+        assert broker["healthcheck"]["test"] == kafka_health_check(
+            env["KAFKA_ADVERTISED_LISTENERS"].split(",")[0].split("://")[1]
+        )
+        # Formatted by a step of its own (with the admin's SCRAM login), on the same volume.
+        step = document["services"][f"{name}-format"]
+        assert broker["depends_on"][f"{name}-format"]["condition"] == (
+            "service_completed_successfully"
+        )
+        assert step["command"] == [kafka_format_script(env)]
+        assert step["environment"] == broker["environment"] and step["volumes"] == broker["volumes"]
+        assert step["image"] == broker["image"] == KAFKA_IMAGE
+
+
+@pytest.mark.parametrize("path", KAFKA_FILES)
+def test_kafka_takes_sasl_ssl_only_and_denies_what_no_acl_allows(path) -> None:
+    for name, env in _brokers(path).items():
+        settings = {image_setting(k): v for k, v in env.items() if k.startswith("KAFKA_")}
+        protocols = dict(
+            p.split(":") for p in settings["listener.security.protocol.map"].split(",")
+        )
+        assert {n: p for n, p in protocols.items() if p != "SASL_SSL"} == {"CONTROLLER": "SSL"}
+        assert settings["listener.name.controller.ssl.client.auth"] == "required"  # mTLS
+        assert settings["sasl.enabled.mechanisms"] == "SCRAM-SHA-512"
+        assert settings["authorizer.class.name"].endswith("StandardAuthorizer")
+        assert settings["allow.everyone.if.no.acl.found"] == "false"
+        assert settings["super.users"] == "User:admin;User:rlnode-broker"
+        for listener, protocol in protocols.items():
+            if protocol == "SASL_SSL":
+                jaas = f"listener.name.{listener.lower()}.scram-sha-512.sasl.jaas.config"
+                assert "KAFKA_ADMIN_PASSWORD" in settings[jaas], (name, jaas)
+    if path == "compose.yaml":  # three brokers, each other's voters, replication 3
+        assert len(_brokers(path)) == 3
+        assert all(e["KAFKA_MIN_INSYNC_REPLICAS"] == "2" for e in _brokers(path).values())
+    else:  # one broker: its controller on the container's loopback
+        (env,) = _brokers(path).values()
+        assert "CONTROLLER://127.0.0.1:" in env["KAFKA_LISTENERS"]
+    access = DOCUMENTS[path]["services"]["kafka-access"]
+    assert access["command"] == ["rlnode", "kafka-users"]
+    for variable in (f"KAFKA_{u.upper().replace('-', '_')}_PASSWORD" for u in kafka_users()):
+        if variable != "KAFKA_ADMIN_PASSWORD":
+            assert variable in access["environment"], variable
+    assert DOCUMENTS[path]["secrets"]["kafka-keystore"]["file"].endswith("rlnode-broker.bundle.pem")
+
+
+def test_the_image_s_variables_name_the_settings() -> None:
+    for setting in (
+        "listener.name.broker.scram-sha-512.sasl.jaas.config",
+        "offsets.topic.num.partitions",
+        "controller.quorum.voters",
+    ):
+        assert image_setting(image_variable(setting)) == setting
+    assert image_variable("listener.name.broker.scram-sha-512.sasl.jaas.config") == (
+        "KAFKA_LISTENER_NAME_BROKER_SCRAM___SHA___512_SASL_JAAS_CONFIG"
     )
-    acls = document["services"]["kafka-acls"]
-    assert acls["command"] == [kafka_acl_script(bootstrap)]
-    assert document["secrets"]["kafka-keystore"]["file"].endswith("kafka.bundle.pem")
+
+
+def test_services_reach_all_three_brokers() -> None:
+    for name, service in COMPOSE["services"].items():
+        bootstrap = service.get("environment", {}).get("KAFKA_BOOTSTRAP_SERVERS")
+        if bootstrap is not None:
+            assert bootstrap == kafka_bootstrap(), name
+    assert COMPOSE["services"]["topics"]["environment"]["KAFKA_REPLICATION_FACTOR"] == "3"
 
 
 def test_the_acls_are_what_the_services_read_write_and_group_by() -> None:

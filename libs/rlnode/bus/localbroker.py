@@ -24,7 +24,7 @@ from types import TracebackType
 
 from rlnode.bus.children import ChildProcess, free_port
 from rlnode.bus.pki import Identity
-from rlnode.bus.principals import ADMIN, BROKER_CERT_NAME, MECHANISM, KafkaUser
+from rlnode.bus.principals import BROKER_CERT_NAME, MECHANISM, KafkaUser
 from rlnode.bus.settings import DEFAULT_MAX_MESSAGE_BYTES
 from rlnode.service.files import write_private
 
@@ -123,6 +123,66 @@ class Voter:
         return f"{self.node_id}@{bracketed(self.host)}:{self.port}"
 
 
+def cluster_properties(replication: int, max_message_bytes: int) -> dict[str, str]:
+    """A broker's settings that do not depend on where it runs: replication as the cluster's
+    size allows (min.insync.replicas 2 from three brokers on), topics only made by rlnode,
+    records as large as the bus takes. The node's broker and compose's share them."""
+    min_insync = str(min(2, replication))
+    return {
+        "num.partitions": "3",
+        "default.replication.factor": str(replication),
+        "min.insync.replicas": min_insync,
+        "offsets.topic.replication.factor": str(replication),
+        "offsets.topic.num.partitions": "12",
+        "transaction.state.log.replication.factor": str(replication),
+        "transaction.state.log.min.isr": min_insync,
+        "share.coordinator.state.topic.replication.factor": str(replication),
+        "share.coordinator.state.topic.min.isr": min_insync,
+        "unclean.leader.election.enable": "false",
+        # rlnode makes its topics (with their size and retention); a typo makes none.
+        "auto.create.topics.enable": "false",
+        # The services join their groups as they start; nobody is worth waiting for.
+        "group.initial.rebalance.delay.ms": "0",
+        "message.max.bytes": str(max_message_bytes),
+        "replica.fetch.max.bytes": str(max_message_bytes + 1024 * 1024),
+    }
+
+
+def secured_properties(
+    admin: str,
+    admin_password: str,
+    keystore: str,
+    truststore: str,
+    sasl_listeners: tuple[str, ...] = ("broker",),
+) -> dict[str, str]:
+    """SASL_SSL (SCRAM-SHA-512) for clients and brokers on `sasl_listeners` (the brokers log
+    in to each other as the admin), mTLS with the brokers' own certificate for the
+    controllers, and ACLs deny-by-default. `keystore`: the broker's certificate and key
+    (PEM), `truststore`: the node's CA. The node's broker and compose's share them."""
+    jaas = (
+        "org.apache.kafka.common.security.scram.ScramLoginModule required "
+        f'username="{admin}" password="{admin_password}";'
+    )
+    return {
+        "sasl.enabled.mechanisms": MECHANISM,
+        "sasl.mechanism.inter.broker.protocol": MECHANISM,
+        **{
+            f"listener.name.{name}.{MECHANISM.lower()}.sasl.jaas.config": jaas
+            for name in sasl_listeners
+        },
+        "ssl.keystore.type": "PEM",
+        "ssl.keystore.location": keystore,
+        "ssl.truststore.type": "PEM",
+        "ssl.truststore.location": truststore,
+        "listener.name.controller.ssl.client.auth": "required",
+        # A certificate's principal is its common name (not the whole distinguished name).
+        "listener.name.controller.ssl.principal.mapping.rules": "RULE:^CN=([^,]+)$/$1/,DEFAULT",
+        "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
+        "allow.everyone.if.no.acl.found": "false",
+        "super.users": f"User:{admin};User:{BROKER_CERT_NAME}",
+    }
+
+
 class LocalBroker(ChildProcess):
     """`with LocalBroker(directory, identity, admin) as b: b.bootstrap_servers` — a Kafka
     broker and controller for as long as the block runs, its state under `directory`.
@@ -193,7 +253,6 @@ class LocalBroker(ChildProcess):
     def properties(self) -> dict[str, str]:
         """server.properties: one listener for clients and brokers, one for the controllers,
         replication as the cluster's size allows; secured (below) unless `open`."""
-        min_insync = str(min(2, self.replication))
         return {
             "process.roles": "broker,controller",
             "node.id": str(self.node_id),
@@ -206,22 +265,7 @@ class LocalBroker(ChildProcess):
             "inter.broker.listener.name": "BROKER",
             "controller.listener.names": "CONTROLLER",
             "log.dirs": str(self.data_dir),
-            "num.partitions": "3",
-            "default.replication.factor": str(self.replication),
-            "min.insync.replicas": min_insync,
-            "offsets.topic.replication.factor": str(self.replication),
-            "offsets.topic.num.partitions": "12",
-            "transaction.state.log.replication.factor": str(self.replication),
-            "transaction.state.log.min.isr": min_insync,
-            "share.coordinator.state.topic.replication.factor": str(self.replication),
-            "share.coordinator.state.topic.min.isr": min_insync,
-            "unclean.leader.election.enable": "false",
-            # rlnode makes its topics (with their size and retention); a typo makes none.
-            "auto.create.topics.enable": "false",
-            # The services join their groups as they start; nobody is worth waiting for.
-            "group.initial.rebalance.delay.ms": "0",
-            "message.max.bytes": str(self.max_message_bytes),
-            "replica.fetch.max.bytes": str(self.max_message_bytes + 1024 * 1024),
+            **cluster_properties(self.replication, self.max_message_bytes),
             **(self._open() if self.open else self._secured()),
             **self.overrides,
         }
@@ -230,30 +274,15 @@ class LocalBroker(ChildProcess):
         return {"listener.security.protocol.map": "BROKER:PLAINTEXT,CONTROLLER:PLAINTEXT"}
 
     def _secured(self) -> dict[str, str]:
-        """SASL_SSL (SCRAM-SHA-512) for clients and brokers, mTLS with the brokers' own
-        certificate for the controllers, and ACLs deny-by-default."""
         assert self.identity is not None and self.admin is not None
-        jaas = (
-            "org.apache.kafka.common.security.scram.ScramLoginModule required "
-            f'username="{self.admin.name}" password="{self.admin.password}";'
-        )
         return {
             "listener.security.protocol.map": "BROKER:SASL_SSL,CONTROLLER:SSL",
-            "sasl.enabled.mechanisms": MECHANISM,
-            "sasl.mechanism.inter.broker.protocol": MECHANISM,
-            f"listener.name.broker.{MECHANISM.lower()}.sasl.jaas.config": jaas,
-            "ssl.keystore.type": "PEM",
-            "ssl.keystore.location": str(self.directory / "broker.pem"),
-            "ssl.truststore.type": "PEM",
-            "ssl.truststore.location": str(self.identity.ca),
-            "listener.name.controller.ssl.client.auth": "required",
-            # A certificate's principal is its common name (not the whole distinguished name).
-            "listener.name.controller.ssl.principal.mapping.rules": (
-                "RULE:^CN=([^,]+)$/$1/,DEFAULT"
+            **secured_properties(
+                self.admin.name,
+                self.admin.password,
+                keystore=str(self.directory / "broker.pem"),
+                truststore=str(self.identity.ca),
             ),
-            "authorizer.class.name": "org.apache.kafka.metadata.authorizer.StandardAuthorizer",
-            "allow.everyone.if.no.acl.found": "false",
-            "super.users": f"User:{ADMIN};User:{BROKER_CERT_NAME}",
         }
 
     def _write_config(self) -> Path:

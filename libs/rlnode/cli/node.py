@@ -7,6 +7,8 @@ rlnode doctor                 check the node's plumbing on the embedded defaults
 rlnode broker                 run the embedded broker in the foreground
 rlnode kafka-cluster H1 H2 H3  plan a Kafka cluster over hosts (rlnode broker --cluster each)
 rlnode kafka-cert NAME --out DIR  a client certificate of the node's Kafka CA (operators)
+rlnode kafka-users             each service's Kafka user and ACLs on a cluster (compose)
+rlnode kafka-cluster-id        a new Kafka cluster id (compose's KAFKA_CLUSTER_ID)
 rlnode topics create          create rlnode's topics on KAFKA_BOOTSTRAP_SERVERS
 rlnode model init --out DIR   build the tiny model locally
 rlnode model import FILE.gguf  dequantize a GGUF once into the node's model store
@@ -336,6 +338,46 @@ def _kafka_cert(args: argparse.Namespace) -> int:
     return 0
 
 
+def _kafka_users(args: argparse.Namespace) -> int:
+    """Each service's Kafka user (SCRAM-SHA-512, its password from KAFKA_<USER>_PASSWORD)
+    and its ACLs, made through the admin KAFKA_* log in as: compose's `kafka-access` step,
+    or any cluster whose admin made its users itself."""
+    from rlnode.bus.acls import grant_sync
+    from rlnode.bus.errors import BusError
+    from rlnode.bus.principals import KafkaUser
+    from rlnode.node.compose import KAFKA_ADMIN, kafka_acls, kafka_password_variable, kafka_users
+
+    wanted = [user for user in kafka_users() if user != KAFKA_ADMIN]
+    missing = [
+        kafka_password_variable(u) for u in wanted if not os.environ.get(kafka_password_variable(u))
+    ]
+    if "KAFKA_BOOTSTRAP_SERVERS" not in os.environ or missing:
+        print(
+            "rlnode: set KAFKA_BOOTSTRAP_SERVERS and the admin's KAFKA_SASL_USERNAME/PASSWORD, "
+            "and a password for each Kafka user"
+            + (f"; missing: {', '.join(missing)}" if missing else ""),
+            file=sys.stderr,
+        )
+        return 2
+    users = [KafkaUser(u, os.environ[kafka_password_variable(u)]) for u in wanted]
+    acls = kafka_acls()
+    try:
+        grant_sync(KafkaSettings(), users, acls)
+    except BusError as e:
+        print(f"rlnode: {e}", file=sys.stderr)
+        return 1
+    for user in users:
+        print(f"{user.name:20} {sum(a.user == user.name for a in acls)} ACLs")
+    return 0
+
+
+def _kafka_cluster_id(_args: argparse.Namespace) -> int:
+    from rlnode.bus.localbroker import new_cluster_id
+
+    print(new_cluster_id())
+    return 0
+
+
 def _kafka_credentials(args: argparse.Namespace) -> int:
     """An org's Kafka login for a client of its own, made through the node's admin (the node
     up on this machine, or KAFKA_* naming a cluster's admin): operators only."""
@@ -495,6 +537,14 @@ def register(commands: argparse._SubParsersAction) -> None:
         help="make the node's CA under RLNODE_DATA_DIR if it has none (production compose)",
     )
     cert.set_defaults(run=_kafka_cert)
+    commands.add_parser(
+        "kafka-users",
+        help="each service's Kafka user (passwords from KAFKA_<USER>_PASSWORD) and ACLs, as "
+        "the admin KAFKA_* log in as (compose)",
+    ).set_defaults(run=_kafka_users)
+    commands.add_parser(
+        "kafka-cluster-id", help="a new Kafka cluster id (compose's KAFKA_CLUSTER_ID)"
+    ).set_defaults(run=_kafka_cluster_id)
     credentials = commands.add_parser(
         "kafka-credentials",
         help="an org's Kafka login for its own Kafka client (operators, on the control host)",

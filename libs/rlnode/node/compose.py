@@ -14,11 +14,13 @@ published port each) and keeps the weight versions it downloads from the learner
 
 from __future__ import annotations
 
+import re
 from pathlib import PurePosixPath
 
 import yaml
 
 from rlnode.bus.acls import Acl
+from rlnode.bus.principals import ADMIN
 from rlnode.node.plan import BASE_COMPOSE_GENERATORS, GpuPlan, compose_gpu_services
 from rlnode.service.registry import GENERATOR
 
@@ -110,13 +112,30 @@ def override(plan: GpuPlan, command: str) -> str:
     return header + body
 
 
-# -- Kafka in production compose: SASL_SSL, one user per service, ACLs -------------------
+# -- Kafka in production compose: SASL_SSL (SCRAM), one user per service, ACLs ----------
+#
+# The brokers' settings are the node's own broker's (rlnode.bus.localbroker's
+# cluster_properties and secured_properties), written as the apache/kafka image's
+# variables: compose's brokers and `rlnode up`'s cannot drift apart.
 
-# Kafka users: each service that is on the bus, the admin (the broker itself, topic
-# creation, ACLs) and `rlnode-jobs`, for users who start jobs with a Kafka client of their own.
-KAFKA_ADMIN = "admin"
+# The image of the Kafka version `make setup` fetches (deploy/kafka/pom.xml; a test checks).
+KAFKA_IMAGE = "apache/kafka:4.4.0"
+# compose.yaml: three combined brokers and controllers, replication 3, min.insync.replicas 2.
+KAFKA_BROKERS = ("kafka-1", "kafka-2", "kafka-3")
+KAFKA_PORT = 9092
+KAFKA_CONTROLLER_PORT = 9093
+KAFKA_DATA = "/var/lib/kafka/data"
+# Users: each service that is on the bus, the admin (the brokers log in to each other as
+# it; topics, users and ACLs) and `rlnode-jobs`, for users who start jobs with a Kafka
+# client of their own.
+KAFKA_ADMIN = ADMIN
 KAFKA_JOBS_USER = "rlnode-jobs"
 KAFKA_CA_SECRET = "/run/secrets/kafka-ca"
+KAFKA_KEYSTORE_SECRET = "/run/secrets/kafka-keystore"
+# The admin's password for the brokers' health check and storage format (an RLNODE_
+# variable: the image turns every KAFKA_ one into a setting).
+ADMIN_PASSWORD_ENV = "RLNODE_KAFKA_ADMIN_PASSWORD"
+CLUSTER_ID_VARIABLE = "KAFKA_CLUSTER_ID"
 
 
 def kafka_password_variable(user: str) -> str:
@@ -134,20 +153,178 @@ def _password(user: str) -> str:
     return f"${{{variable}:?set {variable} (a random password for Kafka user {user})}}"
 
 
-def kafka_jaas() -> str:
-    """The broker's SASL/PLAIN users (passwords interpolated from the environment)."""
-    users = " ".join(f'user_{u}="{_password(u)}"' for u in kafka_users())
+def kafka_bootstrap(brokers: tuple[str, ...] = KAFKA_BROKERS) -> str:
+    return ",".join(f"{name}:{KAFKA_PORT}" for name in brokers)
+
+
+def kafka_voters(brokers: tuple[str, ...] = KAFKA_BROKERS) -> str:
+    return ",".join(f"{i}@{name}:{KAFKA_CONTROLLER_PORT}" for i, name in enumerate(brokers, 1))
+
+
+def image_variable(setting: str) -> str:
+    """The apache/kafka image's variable for a broker setting: `.` is `_`, `_` is `__` and
+    `-` is `___` (listener.name.broker.scram-sha-512.sasl.jaas.config ->
+    KAFKA_LISTENER_NAME_BROKER_SCRAM___SHA___512_SASL_JAAS_CONFIG)."""
+    return "KAFKA_" + setting.replace("_", "__").replace("-", "___").replace(".", "_").upper()
+
+
+def image_setting(variable: str) -> str:
+    """The inverse: what the image makes of a KAFKA_ variable."""
+    name = variable.removeprefix("KAFKA_").lower()
+    return name.replace("___", "-").replace("__", "\0").replace("_", ".").replace("\0", "_")
+
+
+def kafka_broker_settings(
+    node_id: int,
+    *,
+    listeners: str,
+    advertised: str,
+    voters: str,
+    protocols: str,
+    sasl_listeners: tuple[str, ...],
+    inter_broker: str,
+    replication: int,
+    admin_password: str,
+) -> dict[str, str]:
+    """One compose broker's settings (server.properties keys)."""
+    from rlnode.bus.localbroker import cluster_properties, secured_properties
+    from rlnode.bus.settings import DEFAULT_MAX_MESSAGE_BYTES
+
+    return {
+        "process.roles": "broker,controller",
+        "node.id": str(node_id),
+        "controller.quorum.voters": voters,
+        "listeners": listeners,
+        "advertised.listeners": advertised,
+        "inter.broker.listener.name": inter_broker,
+        "controller.listener.names": "CONTROLLER",
+        "listener.security.protocol.map": protocols,
+        "log.dirs": KAFKA_DATA,
+        **cluster_properties(replication, DEFAULT_MAX_MESSAGE_BYTES),
+        **secured_properties(
+            KAFKA_ADMIN, admin_password, KAFKA_KEYSTORE_SECRET, KAFKA_CA_SECRET, sasl_listeners
+        ),
+    }
+
+
+def kafka_broker_env(node_id: int, **where: str | tuple[str, ...] | int) -> dict[str, str]:
+    """A compose broker's environment: its settings as the image's variables, the cluster
+    id, and the admin's password for its health check and format step."""
+    settings = kafka_broker_settings(node_id, admin_password=_password(KAFKA_ADMIN), **where)  # type: ignore[arg-type]
+    # A `$` of the settings' own (a principal mapping rule's) is escaped; `${...}` is
+    # compose's interpolation (a password, a host's address), left to it.
+    env = {image_variable(key): re.sub(r"\$(?!\{)", "$$", v) for key, v in settings.items()}
+    variable = CLUSTER_ID_VARIABLE
+    env["CLUSTER_ID"] = f"${{{variable}:?set {variable} (rlnode kafka-cluster-id)}}"
+    env[ADMIN_PASSWORD_ENV] = _password(KAFKA_ADMIN)
+    return env
+
+
+def one_node_brokers() -> dict[int, dict[str, str]]:
+    """compose.yaml's brokers (by node id): one listener for clients and brokers, the
+    controllers on the compose network, mTLS between them."""
+    return {
+        node_id: kafka_broker_env(
+            node_id,
+            listeners=f"BROKER://:{KAFKA_PORT},CONTROLLER://:{KAFKA_CONTROLLER_PORT}",
+            advertised=f"BROKER://{name}:{KAFKA_PORT}",
+            voters=kafka_voters(),
+            protocols="BROKER:SASL_SSL,CONTROLLER:SSL",
+            sasl_listeners=("broker",),
+            inter_broker="BROKER",
+            replication=len(KAFKA_BROKERS),
+        )
+        for node_id, name in enumerate(KAFKA_BROKERS, 1)
+    }
+
+
+CONTROL_INTERNAL_PORT = 19092
+
+
+def control_host_broker() -> dict[str, str]:
+    """deploy/compose/control.yaml's one broker: the control host's services reach it on the
+    compose network, the other hosts at the control host's address; its controller on the
+    container's loopback."""
+    return kafka_broker_env(
+        1,
+        listeners=(
+            f"INTERNAL://:{CONTROL_INTERNAL_PORT},EXTERNAL://:{KAFKA_PORT},"
+            f"CONTROLLER://127.0.0.1:{KAFKA_CONTROLLER_PORT}"
+        ),
+        advertised=(
+            f"INTERNAL://kafka:{CONTROL_INTERNAL_PORT},EXTERNAL://{host('control')}:{KAFKA_PORT}"
+        ),
+        voters=f"1@127.0.0.1:{KAFKA_CONTROLLER_PORT}",
+        protocols="INTERNAL:SASL_SSL,EXTERNAL:SASL_SSL,CONTROLLER:SSL",
+        sasl_listeners=("internal", "external"),
+        inter_broker="INTERNAL",
+        replication=1,
+    )
+
+
+def _admin_properties(path: str) -> str:
+    """A shell line writing the admin's client properties (SCRAM over TLS) to `path`."""
+    from rlnode.bus.principals import MECHANISM
+
     return (
-        "org.apache.kafka.common.security.plain.PlainLoginModule required "
-        f'username="{KAFKA_ADMIN}" password="{_password(KAFKA_ADMIN)}" {users};'
+        f"printf 'security.protocol=SASL_SSL\\nsasl.mechanism={MECHANISM}\\n"
+        f"ssl.truststore.type=PEM\\nssl.truststore.location={KAFKA_CA_SECRET}\\n"
+        "sasl.jaas.config=org.apache.kafka.common.security.scram.ScramLoginModule required "
+        f'username=\\"{KAFKA_ADMIN}\\" password=\\"%s\\";\\n\' "$${ADMIN_PASSWORD_ENV}" > {path}'
+    )
+
+
+def kafka_health_check(server: str) -> list[str]:
+    """A broker's health check: the admin asks it its API versions over SASL_SSL."""
+    return [
+        "CMD-SHELL",
+        f"umask 077 && {_admin_properties('/tmp/health.properties')} && "
+        f"/opt/kafka/bin/kafka-broker-api-versions.sh --bootstrap-server {server} "
+        "--command-config /tmp/health.properties >/dev/null",
+    ]
+
+
+def kafka_format_variables(env: dict[str, str]) -> list[str]:
+    """The variables of a broker's environment its format step writes as settings for
+    kafka-storage.sh: all of its KAFKA_ ones less the JAAS lines (no password on disk; the
+    format does not log in)."""
+    return [name for name in env if name.startswith("KAFKA_") and "JAAS" not in name]
+
+
+def kafka_format_settings(env: dict[str, str]) -> dict[str, str]:
+    """What the format step writes for a broker with environment `env` (as compose gives
+    it, `$$` still escaped)."""
+    return {image_setting(name): env[name] for name in kafka_format_variables(env)}
+
+
+def kafka_format_script(env: dict[str, str]) -> str:
+    """A broker's storage format step (a one-shot container on its volume, before it
+    starts, with its broker's environment): its settings from that environment, then
+    kafka-storage.sh format with the admin's SCRAM credentials, which the brokers need in
+    the metadata log before any of them is up to add them. The image's own start skips an
+    already formatted log directory. One script for every broker: it names variables."""
+    from rlnode.bus.principals import MECHANISM
+
+    lines = "".join(
+        f' "{image_setting(name)}=$${{{name}}}"' for name in kafka_format_variables(env)
+    )
+    scram = f"{MECHANISM}=[name={KAFKA_ADMIN},password=$${ADMIN_PASSWORD_ENV}]"
+    return (
+        "set -eu\n"
+        "umask 077\n"
+        f"printf '%s\\n'{lines} > /tmp/format.properties\n"
+        "/opt/kafka/bin/kafka-storage.sh format --config /tmp/format.properties "
+        f'--cluster-id "$$CLUSTER_ID" --add-scram "{scram}" --ignore-formatted\n'
     )
 
 
 def kafka_client_env(user: str) -> dict[str, str]:
-    """What a service's Kafka clients need (KafkaSettings): TLS to the broker, its user."""
+    """What a service's Kafka clients need (KafkaSettings): TLS to the brokers, its user."""
+    from rlnode.bus.principals import MECHANISM
+
     return {
         "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
-        "KAFKA_SASL_MECHANISM": "PLAIN",
+        "KAFKA_SASL_MECHANISM": MECHANISM,
         "KAFKA_SASL_USERNAME": user,
         "KAFKA_SASL_PASSWORD": _password(user),
         "KAFKA_SSL_CAFILE": KAFKA_CA_SECRET,
@@ -162,24 +339,3 @@ def kafka_acls() -> list[Acl]:
 
     jobs = [Acl(KAFKA_JOBS_USER, op, "topic", topics.JOB_REQUESTS) for op in ("Write", "Describe")]
     return sorted({*service_acls(), *jobs})
-
-
-def kafka_acl_script(bootstrap: str) -> str:
-    """The shell script production compose's `kafka-acls` service runs (apache/kafka image)."""
-    lines = [
-        "set -eu",
-        "umask 077",
-        "printf 'security.protocol=SASL_SSL\\nsasl.mechanism=PLAIN\\n"
-        f"ssl.truststore.type=PEM\\nssl.truststore.location={KAFKA_CA_SECRET}\\n"
-        "sasl.jaas.config=org.apache.kafka.common.security.plain.PlainLoginModule required "
-        f'username=\\"{KAFKA_ADMIN}\\" password=\\"%s\\";\\n\' "$$RLNODE_KAFKA_ADMIN_PASSWORD"'
-        " > /tmp/admin.properties",
-    ]
-    for acl in kafka_acls():
-        prefixed = " --resource-pattern-type prefixed" if acl.pattern == "prefixed" else ""
-        lines.append(
-            f"/opt/kafka/bin/kafka-acls.sh --bootstrap-server {bootstrap} --command-config "
-            f"/tmp/admin.properties --add --allow-principal User:{acl.user} --operation "
-            f"{acl.operation} --{acl.kind} {acl.name}{prefixed}"
-        )
-    return "\n".join(lines) + "\n"
