@@ -10,14 +10,22 @@ job.rejected event, else "request lost"), work items lost and trained twice (in 
 job's checkpoints, against every item its steps issue), and the longest stall (no step
 trained anywhere while jobs were running). Writes bench/results/chaos.{json,md}.
 
+With `--cluster`, the node talks to a Kafka cluster of three brokers on this machine's
+loopback addresses (127.0.0.1-3; `rlnode kafka-cluster`, each run by `rlnode broker
+--cluster`, which starts it again when it dies; replication 3, min.insync.replicas 2), and
+each broker is one more target: bench/results/chaos_cluster.{json,md}.
+
     python bench/chaos.py [--chaos-s 600] [--baseline-s 120] [--kill-every-s 20] [--seed 0]
+        [--cluster]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
+import signal
 import statistics
 import tempfile
 import threading
@@ -27,11 +35,14 @@ from pathlib import Path
 
 from bench_common import write_results
 
+from rlnode.bus.localbroker import free_port
 from rlnode.examples import example_job
 from rlnode.messages import JobEventType
 from rlnode.models.build import init_tiny_model
 from rlnode.node import chaos
+from rlnode.node.kafka_cluster import BrokerPlan, cluster_env, plan_cluster
 from rlnode.node.local import LocalNode, NodeOptions, Org
+from rlnode.node.testhosts import BrokerHost, ThisMachine
 from rlnode.testing import unique_id, wait_until
 
 TASK_APP = "copy"
@@ -124,23 +135,60 @@ class Jobs:
                     print(f"starting jobs: {e}")
 
 
+CLUSTER_HOSTS = ("127.0.0.1", "127.0.0.2", "127.0.0.3")
+
+
+def start_cluster(directory: Path, node_data_dir: Path) -> tuple[dict[str, BrokerHost], dict]:
+    """Three brokers on this machine's loopback addresses, planned with the node's CA and
+    admin (the node's data dir is the control host's); the KAFKA_* the node uses them with."""
+    port, controller_port = free_port("127.0.0.1"), free_port("127.0.0.1")
+    plans = plan_cluster(node_data_dir, list(CLUSTER_HOSTS), port, controller_port)
+    brokers = {
+        f"kafka-{i}": BrokerHost(ThisMachine(f"kafka-{i}", host), directory / f"kafka-{i}", plan)
+        for i, (host, plan) in enumerate(zip(CLUSTER_HOSTS, plans, strict=True), start=1)
+    }
+    for broker in brokers.values():  # each waits for a quorum of the others
+        broker.wait_started(1, 180)
+    return brokers, cluster_env(node_data_dir, BrokerPlan.read(plans[0]))
+
+
+def kill_broker(broker: BrokerHost) -> int:
+    """SIGKILL a broker of the cluster (its JVM, not the `rlnode broker` that restarts it);
+    its pid once it is started again."""
+    starts = len(broker.starts())
+    pid = broker.starts()[-1]
+    os.kill(pid, signal.SIGKILL)
+    return broker.wait_started(starts + 1, 120)
+
+
 def steps_in(jobs: Jobs, seconds: float) -> float:
     before = jobs.steps_trained
     time.sleep(seconds)
     return (jobs.steps_trained - before) / seconds * 60
 
 
-def inject(node: LocalNode, orgs: list[Org], supervision: chaos.Supervision, args) -> list[dict]:
+def inject(
+    node: LocalNode,
+    orgs: list[Org],
+    supervision: chaos.Supervision,
+    args,
+    brokers: dict[str, BrokerHost],
+) -> list[dict]:
     rng = random.Random(args.seed)
     by_id = {o.org_id: o for o in orgs}
     targets = chaos.targets(node, [chaos.task_app_target(o, TASK_APP) for o in orgs])
+    targets += list(brokers)
     faults: list[dict] = []
     deadline = time.monotonic() + args.chaos_s
     while time.monotonic() < deadline:
         target = rng.choice(targets)
         fault = {"target": target, "at_s": round(args.chaos_s - (deadline - time.monotonic()), 1)}
         try:
-            fault["pid"] = chaos.kill(node, target, by_id)
+            if target in brokers:
+                fault["pid"] = brokers[target].starts()[-1]
+                fault["started_again_s"] = _timed(lambda b=brokers[target]: kill_broker(b))
+            else:
+                fault["pid"] = chaos.kill(node, target, by_id)
         except Exception as e:  # e.g. a Task App between two runs: nothing to kill
             fault["skipped"] = str(e)
             faults.append(fault)
@@ -158,6 +206,12 @@ def inject(node: LocalNode, orgs: list[Org], supervision: chaos.Supervision, arg
         print(fault, flush=True)
         time.sleep(max(0.0, args.kill_every_s - (time.monotonic() - killed_at)))
     return faults
+
+
+def _timed(fn) -> float:
+    started = time.monotonic()
+    fn()
+    return round(time.monotonic() - started, 1)
 
 
 def verdicts(node: LocalNode, jobs: Jobs, args) -> dict:
@@ -186,9 +240,16 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--prompts", type=int, default=2)
     parser.add_argument("--group", type=int, default=4)
+    parser.add_argument(
+        "--cluster", action="store_true", help="a cluster of three brokers, each a target"
+    )
     args = parser.parse_args()
 
     directory = Path(tempfile.mkdtemp(prefix="rlnode-chaos-"))
+    brokers: dict[str, BrokerHost] = {}
+    if args.cluster:
+        brokers, env = start_cluster(directory, directory / "node")
+        os.environ.update(env)  # the node uses the cluster as its admin, as `rlnode up` would
     options = NodeOptions(
         data_dir=directory / "node",
         env={
@@ -217,7 +278,7 @@ def main() -> None:
         jobs.longest_stall_s = 0.0  # the stalls under chaos, not the start's
         started = jobs.steps_trained
         chaos_started = time.monotonic()
-        faults = inject(node, orgs, supervision, args)
+        faults = inject(node, orgs, supervision, args, brokers)
         under_chaos = (jobs.steps_trained - started) / (time.monotonic() - chaos_started) * 60
         jobs.starting = False  # let what runs finish
         wait_until(
@@ -229,6 +290,8 @@ def main() -> None:
         watcher.join()
         supervision.stop()
         result = verdicts(node, jobs, args)
+    for broker in brokers.values():
+        broker.stop()
 
     injected = [f for f in faults if "pid" in f]
     survived = [f for f in injected if f.get("survived")]
@@ -258,10 +321,13 @@ def main() -> None:
             f"- {j['job_id']}: {j.get('status')} {j.get('reason') or ''}"
             for j in result["not_completed"]
         ]
+    if brokers:
+        table += ["", "Kafka: three brokers (replication 3, min.insync.replicas 2) on 127.0.0.1-3."]
     write_results(
-        "chaos",
+        "chaos_cluster" if args.cluster else "chaos",
         args,
-        "Chaos: SIGKILL a random process of a training node every few seconds",
+        "Chaos: SIGKILL a random process of a training node every few seconds"
+        + (", its Kafka a cluster of three" if args.cluster else ""),
         table,
         faults=faults,
         baseline_steps_per_min=baseline,

@@ -215,13 +215,25 @@ def _is_error(line: str) -> bool:
     return " ERROR " in line or " CRITICAL " in line or line.startswith(("Traceback", "  File "))
 
 
+@dataclass(frozen=True)
+class ThisMachine:
+    """A host that is this machine at one of its loopback addresses (127.0.0.2, ...): three
+    brokers of a cluster on one machine (bench/chaos.py --cluster), no namespace needed."""
+
+    name: str
+    address: str
+
+    def command(self, argv: list[str]) -> list[str]:
+        return argv
+
+
 class BrokerHost:
     """`rlnode broker --cluster FILE` on a test host: one broker of a planned cluster,
     started again by its `rlnode broker` whenever it exits."""
 
     READY = re.compile(r"Apache Kafka ready on \S+ \(pid (\d+)\)")
 
-    def __init__(self, host: Host, data_dir: Path, plan: Path) -> None:
+    def __init__(self, host: Host | ThisMachine, data_dir: Path, plan: Path) -> None:
         self.host = host
         data_dir.mkdir(parents=True)
         self.data_dir = data_dir
