@@ -2,7 +2,9 @@
 whose name its stack dump must show (a service stuck in its shutdown)."""
 
 import asyncio
+import contextlib
 import signal
+from collections.abc import AsyncIterator
 
 from rlnode.service.stacks import install_stack_dump
 
@@ -11,9 +13,17 @@ async def waiting_on_something_that_never_comes() -> None:
     await asyncio.Event().wait()
 
 
+@contextlib.asynccontextmanager
+async def lifespan() -> AsyncIterator[None]:
+    yield
+    await waiting_on_something_that_never_comes()  # its shutdown half never ends
+
+
 async def shutting_down() -> None:
-    # Nested: Task.print_stack shows only the outermost coroutine; the dump walks the chain.
-    await waiting_on_something_that_never_comes()
+    # Nested, and in an @asynccontextmanager's exit (a lifespan's shutdown): Task.print_stack
+    # shows only the outermost coroutine; the dump walks the chain into the generator.
+    async with lifespan():
+        pass
 
 
 if __name__ == "__main__":

@@ -156,7 +156,8 @@ def test_a_service_that_does_not_stop_leaves_its_stacks_in_its_log(tmp_path) -> 
     log = process.log_tail(20_000)
     assert "most recent call first" in log  # faulthandler: every thread
     # the task it was stuck in, down the await chain to the innermost coroutine
-    assert "in shutting_down" in log and "in waiting_on_something_that_never_comes" in log
+    assert "in shutting_down" in log and "in lifespan" in log
+    assert "in waiting_on_something_that_never_comes" in log
 
 
 def _alive(pid: int) -> bool:

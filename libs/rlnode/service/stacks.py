@@ -23,17 +23,40 @@ def awaiting(task: asyncio.Task) -> list[str]:
     lines: list[str] = []
     awaited: object = task.get_coro()
     for _ in range(64):  # a chain that long is a bug of its own; stop, don't loop
-        frame = getattr(awaited, "cr_frame", None) or getattr(awaited, "gi_frame", None)
+        frame = _frame(awaited)
         if frame is None:
             break
         lines.append(f"  {frame.f_code.co_filename}:{frame.f_lineno} in {frame.f_code.co_name}")
-        awaited = getattr(awaited, "cr_await", None) or getattr(awaited, "gi_yieldfrom", None)
+        awaited = _awaited_by(awaited, frame)
     if isinstance(awaited, asyncio.Future):
         children = getattr(awaited, "_children", None)  # gather's, private but stable
         lines.append(f"  awaiting {awaited!r}"[:400])
         for child in children or ():
             lines.append(f"    child {child!r}"[:400])
     return lines
+
+
+def _frame(awaitable: object) -> FrameType | None:
+    for name in ("cr_frame", "gi_frame", "ag_frame"):  # coroutine, generator, async generator
+        frame = getattr(awaitable, name, None)
+        if frame is not None:
+            return frame
+    return None
+
+
+def _awaited_by(awaitable: object, frame: FrameType) -> object:
+    """What `awaitable` (running `frame`) awaits. An async generator's asend/athrow (an
+    `async with` on an @asynccontextmanager: a lifespan's shutdown) names no frame: go on in
+    the generator it drives, the context manager's `gen`."""
+    for name in ("cr_await", "gi_yieldfrom", "ag_await"):
+        awaited = getattr(awaitable, name, None)
+        if awaited is not None:
+            break
+    if awaited is not None and _frame(awaited) is None and not isinstance(awaited, asyncio.Future):
+        generator = getattr(frame.f_locals.get("self"), "gen", None)
+        if _frame(generator) is not None:
+            return generator
+    return awaited
 
 
 def dump_tasks(loop: asyncio.AbstractEventLoop) -> None:
