@@ -107,9 +107,11 @@ def copy_task_node(
     directory: Path,
     generator_env: dict[str, str],
     gateways: int = 1,
+    kafka_bootstrap: str | None = None,
 ) -> Iterator[tuple]:
     """A node for training benchmarks (no checkpoint-server), an org whose key is sealed
-    and uploaded, and the managed copy-task Task App registered as "copy": (node, org)."""
+    and uploaded, and the managed copy-task Task App registered as "copy": (node, org).
+    `kafka_bootstrap`: a broker of the user's own instead of the node's."""
     import time
 
     from rlnode.node.local import LocalNode, NodeOptions
@@ -120,6 +122,7 @@ def copy_task_node(
             services=("credential-vault", "taskapp-gateway", "rollout-generator", "learner"),
             env={"rollout-generator": generator_env},
             gateways=gateways,
+            kafka_bootstrap=kafka_bootstrap,
         )
     ) as node:
         org = node.create_org("bench", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})

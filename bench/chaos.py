@@ -252,6 +252,7 @@ def main() -> None:
         os.environ.update(env)  # the node uses the cluster as its admin, as `rlnode up` would
     options = NodeOptions(
         data_dir=directory / "node",
+        kafka_bootstrap=os.environ["KAFKA_BOOTSTRAP_SERVERS"] if brokers else None,
         env={
             "rollout-generator": {"GENERATOR_CONCURRENCY": "16"},
             # A job whose work were lost would wait 30 min for it: count it as failed instead.

@@ -18,6 +18,11 @@ tree's result (its JSON) beside this run's.
 
     python bench/control_plane.py [--steps 30] [--gateways 1,2,4] [--repeats 2] [--before old.json]
 
+`--kafka secured,open` runs each gateway count twice: on the node's own broker (SASL_SSL with
+SCRAM, a user and ACLs per service, as `rlnode up` runs it) and on an open broker
+(PLAINTEXT, no users, no ACLs; the node given it as KAFKA_BOOTSTRAP_SERVERS, as a broker of a
+user's own): what TLS and the logins cost, in the same run.
+
 `--history 100000` measures a node as it ages (#36): the same job on a new node, then again
 once at least that many records of history were added to its topics, with the time a
 job's event listing takes at both ages; Kafka applies the topics' retention
@@ -56,7 +61,7 @@ from bench_common import (
 )
 
 from rlnode.bus import clients
-from rlnode.bus.localbroker import DEFAULT_HEAP, HEAP_ENV
+from rlnode.bus.localbroker import DEFAULT_HEAP, HEAP_ENV, LocalBroker
 from rlnode.bus.reader import TopicReader
 from rlnode.messages import JobEventType, topics
 from rlnode.models.build import init_tiny_model
@@ -80,9 +85,10 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return used
 
 
-def broker_memory(node) -> dict[str, int]:
+def broker_memory(broker: LocalBroker) -> dict[str, int]:
     """The broker JVM's resident bytes now, and at their peak since it started."""
-    pid = node.broker.pid
+    pid = broker.pid
+    assert pid is not None, "the broker runs"
     return {
         "broker_rss_bytes": status_bytes(pid, "VmRSS"),
         "broker_peak_rss_bytes": status_bytes(pid, "VmHWM"),
@@ -90,27 +96,38 @@ def broker_memory(node) -> dict[str, int]:
 
 
 @contextlib.contextmanager
-def started_node(directory: Path, generator: dict[str, str], gateways: int) -> Iterator[tuple]:
-    """copy_task_node's node and org, and how long the node took to start, in seconds: the
+def started_node(
+    directory: Path, generator: dict[str, str], gateways: int, kafka: str = "secured"
+) -> Iterator[tuple]:
+    """copy_task_node's node and org, how long the node took to start, in seconds: the
     whole (node_start_s: every service healthy), its broker (broker_start_s) and within
     that the formatting of the broker's log directory (broker_format_s), as the node and its
-    broker recorded them."""
-    with copy_task_node(directory, generator, gateways) as (node, org):
-        assert node.broker is not None and node.broker.start_seconds is not None
+    broker recorded them; and the broker. `kafka` "open": an open broker of its own (no TLS,
+    no logins, no ACLs), started first and given to the node as KAFKA_BOOTSTRAP_SERVERS."""
+    with contextlib.ExitStack() as stack:
+        broker = None
+        if kafka == "open":
+            broker = stack.enter_context(LocalBroker(directory.parent / f"{directory.name}-kafka"))
+        bootstrap = broker.bootstrap_servers if broker else None
+        node, org = stack.enter_context(copy_task_node(directory, generator, gateways, bootstrap))
+        assert (node.broker is None) == (kafka == "open"), "the node runs on the broker asked"
+        broker = broker or node.broker
+        assert broker is not None and broker.start_seconds is not None
         took = {
+            "kafka": kafka,
             "node_start_s": node.start_seconds,
-            "broker_start_s": node.broker.start_seconds,
-            "broker_format_s": node.broker.format_seconds or 0.0,
+            "broker_start_s": broker.start_seconds,
+            "broker_format_s": broker.format_seconds or 0.0,
         }
         print(
-            f"{gateways} gateway(s): the node up in {took['node_start_s']:.1f} s, its broker "
-            f"in {took['broker_start_s']:.1f} s",
+            f"{gateways} gateway(s), {kafka} broker: the node up in {took['node_start_s']:.1f} "
+            f"s, its broker in {took['broker_start_s']:.1f} s",
             flush=True,
         )
-        yield node, org, took
+        yield node, org, took, broker
 
 
-async def run(node, org, model: Path, args, pids: dict[str, int]) -> dict:
+async def run(node, org, model: Path, args, pids: dict[str, int], broker: LocalBroker) -> dict:
     config = job_config(model, args)
     per_step = args.prompts * args.group
     marks: list[tuple[int, float, dict[str, float]]] = []
@@ -139,7 +156,7 @@ async def run(node, org, model: Path, args, pids: dict[str, int]) -> dict:
         "cpu_ms_per_rollout_total": total,
         # Everything else busy meanwhile (this benchmark's client, the rest).
         "other_cpu_ms_per_rollout": max(0.0, machine - total),
-        **broker_memory(node),
+        **broker_memory(broker),
     }
 
 
@@ -268,8 +285,8 @@ def aged(args, model: Path, tmp: Path, generator: dict[str, str]) -> None:
     """--history: a node alone on the machine: the job on it new, the history, a pause, the
     job again."""
     runs: list[dict] = []
-    with started_node(tmp / "node-aged", generator, 1) as (node, org, took):
-        pids = process_pids(node, org)
+    with started_node(tmp / "node-aged", generator, 1) as (node, org, took, broker):
+        pids = process_pids(node, org, broker)
         first = ""
         for age in ("new", "aged"):
             if age == "aged":
@@ -285,7 +302,7 @@ def aged(args, model: Path, tmp: Path, generator: dict[str, str]) -> None:
                 # the history must be older than that to be out of its way, as on a node
                 # whose 1,000 jobs ran over days.
                 time.sleep(args.history_settle_s)
-            result = asyncio.run(run(node, org, model, args, pids))
+            result = asyncio.run(run(node, org, model, args, pids, broker))
             first = first or result["job_id"]
             result |= asyncio.run(listing(node, org, result["job_id"]))
             first_listing = asyncio.run(listing(node, org, first))
@@ -356,7 +373,9 @@ def broker_heap() -> str:
     return os.environ.get(HEAP_ENV, DEFAULT_HEAP)
 
 
-def process_pids(node, org) -> dict[str, int]:
+def process_pids(node, org, broker: LocalBroker) -> dict[str, int]:
+    """Each process of the node by name: the broker (the node's, or the open one it was
+    given), its services, the managed Task App."""
     task_app = task_app_target(org, "copy")
     pids = {
         name.removeprefix("taskapp:").replace(f"{org.org_id}/", ""): pid_of(
@@ -364,6 +383,8 @@ def process_pids(node, org) -> dict[str, int]:
         )
         for name in targets(node, [task_app])
     }
+    assert broker.pid is not None
+    pids[BROKER] = broker.pid
     return {NAMES.get(k, k): v for k, v in pids.items()}
 
 
@@ -384,6 +405,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2, help="jobs per gateway count")
     parser.add_argument(
         "--gateways", default="1,2,4", help="gateway counts to run, a node each (default 1,2,4)"
+    )
+    parser.add_argument(
+        "--kafka",
+        default="secured",
+        help="brokers to run each count on: secured (the node's own: SASL_SSL, users, ACLs), "
+        "open (PLAINTEXT, no users or ACLs), or both (secured,open)",
     )
     parser.add_argument(
         "--history",
@@ -417,6 +444,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     counts = [int(c) for c in args.gateways.split(",")]
+    kafkas = args.kafka.split(",")
+    if not set(kafkas) <= {"secured", "open"}:
+        parser.error(f"--kafka {args.kafka}: secured, open or both")
     generator = {
         "GENERATOR_ENGINE": "instant",
         "GENERATOR_CONCURRENCY": "256",
@@ -431,21 +461,31 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         model = init_tiny_model(Path(tmp) / "tiny", seed=0)
         for count in counts:
-            with started_node(Path(tmp) / f"node-{count}", generator, count) as (node, org, took):
-                pids = process_pids(node, org)
-                for round_ in range(args.repeats):
-                    result = asyncio.run(run(node, org, model, args, pids))
-                    result |= {"gateways": count, **took}
-                    runs.append(result)
-                    print(
-                        f"{count} gateway(s), round {round_ + 1}: "
-                        f"{result['rollouts_per_s']:.0f} rollouts/s, "
-                        f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout, broker "
-                        f"{result['broker_rss_bytes'] / MIB:.0f} MiB resident",
-                        flush=True,
-                    )
+            for kafka in kafkas:
+                name = f"node-{count}-{kafka}"
+                with started_node(Path(tmp) / name, generator, count, kafka) as (
+                    node,
+                    org,
+                    took,
+                    broker,
+                ):
+                    pids = process_pids(node, org, broker)
+                    for round_ in range(args.repeats):
+                        result = asyncio.run(run(node, org, model, args, pids, broker))
+                        result |= {"gateways": count, **took}
+                        runs.append(result)
+                        print(
+                            f"{count} gateway(s), {kafka}, round {round_ + 1}: "
+                            f"{result['rollouts_per_s']:.0f} rollouts/s, "
+                            f"{result['cpu_ms_per_rollout_total']:.2f} CPU ms per rollout, "
+                            f"broker {result['broker_rss_bytes'] / MIB:.0f} MiB resident",
+                            flush=True,
+                        )
     columns = [
-        (f"{r['gateways']} gw, run {i + 1}", by_service(r["cpu_ms_per_rollout"]))
+        (
+            f"{r['gateways']} gw{', open broker' if r['kafka'] == 'open' else ''}, run {i + 1}",
+            by_service(r["cpu_ms_per_rollout"]),
+        )
         for i, r in enumerate(runs)
     ]
     before = None
@@ -487,11 +527,11 @@ def main() -> None:
         f" ({args.prompts} prompts x {args.group} samples a step), with an engine that answers "
         "at once: what the services cost around generation (goal: 2 ms in all).",
         "",
-        "| gateways | rollouts/s (median) | CPU ms per rollout (median) "
+        "| gateways, broker | rollouts/s (median) | CPU ms per rollout (median) "
         "| of which the broker's (median) | broker's RSS after a run, peak since its start "
         "(MiB) | node start (s) | of which the broker's (s) |",
         "|---|---|---|---|---|---|---|",
-        *(summary(runs, count) for count in counts),
+        *(summary(runs, count, kafka) for count in counts for kafka in kafkas),
         "",
         "The broker's RSS is its JVM's (VmRSS, VmHWM) with the heap it ran with "
         f"(`{HEAP_ENV}`: {broker_heap()}). Node start: LocalNode.start, from nothing to every "
@@ -509,12 +549,13 @@ def main() -> None:
     )
 
 
-def summary(runs: list[dict], count: int) -> str:
-    """A row of medians over the runs of one gateway count (a node of its own)."""
-    mine = [r for r in runs if r["gateways"] == count]
+def summary(runs: list[dict], count: int, kafka: str) -> str:
+    """A row of medians over the runs of one gateway count on one kind of broker (a node of
+    its own)."""
+    mine = [r for r in runs if r["gateways"] == count and r["kafka"] == kafka]
     broker = [r["cpu_ms_per_rollout"].get(BROKER_NAME, 0.0) for r in mine]
     return (
-        f"| {count} | "
+        f"| {count}, {kafka} | "
         f"{statistics.median(r['rollouts_per_s'] for r in mine):.0f} | "
         f"{statistics.median(r['cpu_ms_per_rollout_total'] for r in mine):.2f} | "
         f"{statistics.median(broker):.2f} | "

@@ -96,7 +96,7 @@ async def weight_sync(
         await arrived.put(version)
 
     # Subscribed as a generator is (services/rlnode_services/rollout_generator/app.py): its
-    # rollout path polls every rollout_fetch_max_wait_ms, not the 500 ms of the rest.
+    # rollout path polls every rollout_fetch_max_wait_ms (KAFKA_ROLLOUT_FETCH_MAX_WAIT_MS).
     bus.subscribe(
         topics.WEIGHT_VERSIONS,
         on_version,

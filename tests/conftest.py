@@ -39,6 +39,29 @@ def pytest_configure(config: pytest.Config) -> None:
     os.environ.setdefault(PERFORMANCE_ENV, " ".join((*JVM_OPTIONS, "-XX:TieredStopAtLevel=1")))
 
 
+# Test files that share a node of their own (a package-scoped fixture) run on one worker,
+# one after the other, so that the node is made once and let go when the last of them ends:
+# tests/security's attacked node (two workers each made one, and held it, idle at a fifth of
+# a core, to the end of the session).
+SHARED_NODE_PACKAGES = ("tests/security/",)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """`--dist loadfile`, with each of SHARED_NODE_PACKAGES one unit of work."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadFileAndSharedNodes(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            for package in SHARED_NODE_PACKAGES:
+                if nodeid.startswith(package):
+                    return package
+            return super()._split_scope(nodeid)
+
+    if config.getoption("dist") != "loadfile":
+        return None  # xdist's own for any other mode
+    return LoadFileAndSharedNodes(config, log)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:

@@ -33,7 +33,8 @@ class AttackedNode:
         return self.node.url(service)
 
 
-@pytest.fixture(scope="session")
+# Package scope: let go once tests/security is done (one worker runs the package: tests/conftest.py).
+@pytest.fixture(scope="package")
 def attacked(tmp_path_factory) -> Iterator[AttackedNode]:
     import asyncio
 

@@ -196,43 +196,59 @@ async def _started(client: AIOKafkaAdminClient, settings: KafkaSettings) -> None
         raise
 
 
+# A cluster whose brokers just started may not have registered them all yet: a topic with
+# three replicas is refused (InvalidReplicationFactor) until it has. Tried again this long.
+CLUSTER_FORMING_S = 60.0
+INVALID_REPLICATION_FACTOR = 38
+
+
 async def ensure_topics(
     settings: KafkaSettings,
     names: Iterable[str] = topics.ALL_TOPICS,
     partitions: int | None = None,
     replication_factor: int | None = None,
+    forming_s: float = CLUSTER_FORMING_S,
 ) -> list[str]:
     """Create the named topics with the partition count, replication and size limit from
     settings (or as given) and rlnode's retention (topics.RETENTION); topics that already
-    exist are left as they are. Returns the ones it created."""
+    exist are left as they are. Returns the ones it created. Replication the cluster cannot
+    give yet (its brokers still registering) is asked again for `forming_s`."""
+    replicas = replication_factor or settings.replication_factor
     client = admin(settings)
     await _started(client, settings)
+    deadline = time.monotonic() + forming_s
+    created: list[str] = []
     try:
-        existing = set(await client.list_topics())
-        wanted = [n for n in names if n not in existing]
-        if not wanted:
-            return []
-        response = await client.create_topics(
-            [
-                NewTopic(
-                    name,
-                    num_partitions=partitions or settings.partitions,
-                    replication_factor=replication_factor or settings.replication_factor,
-                    topic_configs={
-                        "max.message.bytes": str(settings.max_message_bytes),
-                        **topics.retention_configs(name),
-                    },
-                )
-                for name in wanted
-            ]
-        )
-        created = []
-        for name, code, message in response.topic_errors:
-            if code == 0:
-                created.append(name)
-            elif code != TOPIC_ALREADY_EXISTS:  # someone else created it meanwhile
-                raise BusError(f"could not create topic {name}: error {code}: {message}")
-        return created
+        while True:
+            existing = {entry["topic"] for entry in await described_topics(client, settings)}
+            wanted = [n for n in names if n not in existing]
+            if not wanted:
+                return created
+            response = await client.create_topics(
+                [
+                    NewTopic(
+                        name,
+                        num_partitions=partitions or settings.partitions,
+                        replication_factor=replicas,
+                        topic_configs={
+                            "max.message.bytes": str(settings.max_message_bytes),
+                            **topics.retention_configs(name),
+                        },
+                    )
+                    for name in wanted
+                ]
+            )
+            forming = []
+            for name, code, message in response.topic_errors:
+                if code == 0:
+                    created.append(name)
+                elif code == INVALID_REPLICATION_FACTOR and time.monotonic() < deadline:
+                    forming.append(message)
+                elif code != TOPIC_ALREADY_EXISTS:  # someone else created it meanwhile
+                    raise BusError(f"could not create topic {name}: error {code}: {message}")
+            if not forming:
+                return created
+            await asyncio.sleep(1.0)
     finally:
         await client.close()
 

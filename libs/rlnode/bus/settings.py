@@ -77,14 +77,16 @@ class KafkaSettings(BaseSettings):
         le=10_000,
         description="Longest a fetch waits for data (Kafka answers as soon as a record arrives).",
     )
-    # The rollout path (work to generators, weights to generators, trajectories to the
-    # learner) is on every step's critical path: with the control plane at ~2 CPU ms per
-    # rollout, the hops' latency bounded the services (bench/overhead.py, 2 cores, tiny
-    # model: 252 samples/s at 500 ms, 431 at 50, 415 at 20). Only those three consumers
-    # poll this often; the rest keep fetch_max_wait_ms (an idle embedded node: 2.9% of a
-    # core with 500 here, 6.4% with 50).
+    # The rollout path's consumers (work to generators, weight versions to generators,
+    # trajectories to the learner) may wait less than the rest. On Tansu, whose fetch did not
+    # answer as soon as a record arrived, 50 ms here bounded the services (bench/overhead.py:
+    # 252 samples/s at 500 ms, 431 at 50). Apache Kafka answers at once, so a short wait buys
+    # nothing and costs every idle consumer a fetch over TLS each time: on B8 (2 cores,
+    # secured broker, 2 x 2 jobs each) 500 ms against 50 made 406 against 410 rollouts/s with
+    # the broker's CPU per rollout 0.88 against 1.02 ms, and an idle node's processes took
+    # 19% of a core against 24%.
     rollout_fetch_max_wait_ms: int = Field(
-        50,
+        500,
         ge=1,
         le=10_000,
         description="fetch_max_wait_ms of the rollout path's consumers (work, weight "
