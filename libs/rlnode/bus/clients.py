@@ -8,7 +8,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -185,9 +185,24 @@ def admin(settings: KafkaSettings) -> AIOKafkaAdminClient:
     )
 
 
+async def start_whole(start: Awaitable[None]) -> None:
+    """Run a client's start to its end even when the caller is cancelled meanwhile, then let
+    the cancellation through (the caller closes the client). aiokafka's bootstrap leaves its
+    connection open when cancelled mid-request (AIOKafkaClient.bootstrap closes it only on a
+    Kafka error or a timeout): an event stream whose HTTP client went away left one behind.
+    The wait is bounded by the client's request timeout."""
+    started = asyncio.ensure_future(start)
+    try:
+        await asyncio.shield(started)
+    except asyncio.CancelledError:
+        with contextlib.suppress(BaseException):  # its own failure is not the caller's news
+            await started
+        raise
+
+
 async def _started(client: AIOKafkaAdminClient, settings: KafkaSettings) -> None:
     try:
-        await client.start()
+        await start_whole(client.start())
     except (KafkaConnectionError, OSError) as e:
         await client.close()
         raise await connect_error(settings, e) from e

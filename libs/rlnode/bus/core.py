@@ -75,10 +75,13 @@ class Bus:
                 ) from e
         producer = clients.producer(self.settings, self.service)
         try:
-            await producer.start()
+            await clients.start_whole(producer.start())
         except (TimeoutError, KafkaConnectionError, OSError) as e:
             await producer.stop()
             raise await clients.connect_error(self.settings, e) from e
+        except BaseException:  # cancelled while it starts: nothing left open
+            await producer.stop()
+            raise
         self._producer = producer
         for subscription in self.subscriptions:
             await subscription.start()

@@ -69,7 +69,7 @@ class TopicReader:
             self.settings, self.service, group_id=None, **self.consumer_options
         )
         try:
-            await consumer.start()
+            await clients.start_whole(consumer.start())
         except (KafkaConnectionError, OSError) as e:
             await consumer.stop()
             raise await clients.connect_error(self.settings, e) from e

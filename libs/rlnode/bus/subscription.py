@@ -144,10 +144,13 @@ class Subscription(Generic[M]):
                 **self._consumer_options,
             )
             try:
-                await consumer.start()
+                await clients.start_whole(consumer.start())
             except (KafkaConnectionError, OSError) as e:
                 await consumer.stop()
                 raise await clients.connect_error(self.bus.settings, e) from e
+            except BaseException:  # cancelled while it starts: nothing left open
+                await consumer.stop()
+                raise
             # Subscribed after the start, so that the group is joined in the background: a
             # consumer subscribed before would make `start` wait for the group's assignment
             # (seconds on a busy group), and a service would not answer its health check.
