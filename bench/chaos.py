@@ -153,12 +153,12 @@ def start_cluster(directory: Path, node_data_dir: Path) -> tuple[dict[str, Broke
 
 
 def kill_broker(broker: BrokerHost) -> int:
-    """SIGKILL a broker of the cluster (its JVM, not the `rlnode broker` that restarts it);
-    its pid once it is started again."""
-    starts = len(broker.starts())
-    pid = broker.starts()[-1]
-    os.kill(pid, signal.SIGKILL)
-    return broker.wait_started(starts + 1, 120)
+    """SIGKILL a broker of the cluster (its JVM, not the `rlnode broker` that restarts it)
+    and wait until it is started again; the pid killed."""
+    starts = broker.starts()
+    os.kill(starts[-1], signal.SIGKILL)
+    broker.wait_started(len(starts) + 1, 120)
+    return starts[-1]
 
 
 def steps_in(jobs: Jobs, seconds: float) -> float:
@@ -185,8 +185,9 @@ def inject(
         fault = {"target": target, "at_s": round(args.chaos_s - (deadline - time.monotonic()), 1)}
         try:
             if target in brokers:
-                fault["pid"] = brokers[target].starts()[-1]
-                fault["started_again_s"] = _timed(lambda b=brokers[target]: kill_broker(b))
+                killing = time.monotonic()
+                fault["pid"] = kill_broker(brokers[target])
+                fault["started_again_s"] = round(time.monotonic() - killing, 1)
             else:
                 fault["pid"] = chaos.kill(node, target, by_id)
         except Exception as e:  # e.g. a Task App between two runs: nothing to kill
@@ -206,12 +207,6 @@ def inject(
         print(fault, flush=True)
         time.sleep(max(0.0, args.kill_every_s - (time.monotonic() - killed_at)))
     return faults
-
-
-def _timed(fn) -> float:
-    started = time.monotonic()
-    fn()
-    return round(time.monotonic() - started, 1)
 
 
 def verdicts(node: LocalNode, jobs: Jobs, args) -> dict:
@@ -259,40 +254,42 @@ def main() -> None:
             "learner": {"LEARNER_MAX_RUNNING_JOBS": "2", "LEARNER_STEP_TIMEOUT_S": "300"},
         },
     )
-    with LocalNode(options) as node:
-        orgs = []
-        for name in ("a", "b"):
-            org = node.create_org(
-                unique_id(f"org-{name}"), {"ENVIRONMENT_API_KEY": unique_id("key")}
+    try:
+        with LocalNode(options) as node:
+            orgs = []
+            for name in ("a", "b"):
+                org = node.create_org(
+                    unique_id(f"org-{name}"), {"ENVIRONMENT_API_KEY": unique_id("key")}
+                )
+                assert node.register_example_task_app(org, TASK_APP, "copy_task")["ok"]
+                orgs.append(org)
+            model = init_tiny_model(directory / "tiny", seed=0)
+            supervision = chaos.Supervision(node)
+            supervision.start()
+            jobs = Jobs(node, orgs, model, args)
+            stop = threading.Event()
+            watcher = threading.Thread(target=jobs.watch, args=(stop,), daemon=True)
+            watcher.start()
+            wait_until(lambda: jobs.steps_trained > 0, 300, "the first step")
+            baseline = steps_in(jobs, args.baseline_s)
+            jobs.longest_stall_s = 0.0  # the stalls under chaos, not the start's
+            started = jobs.steps_trained
+            chaos_started = time.monotonic()
+            faults = inject(node, orgs, supervision, args, brokers)
+            under_chaos = (jobs.steps_trained - started) / (time.monotonic() - chaos_started) * 60
+            jobs.starting = False  # let what runs finish
+            wait_until(
+                lambda: all(r.get("status") not in ACTIVE for r in jobs.seen.values()),
+                900,
+                "every job finished",
             )
-            assert node.register_example_task_app(org, TASK_APP, "copy_task")["ok"]
-            orgs.append(org)
-        model = init_tiny_model(directory / "tiny", seed=0)
-        supervision = chaos.Supervision(node)
-        supervision.start()
-        jobs = Jobs(node, orgs, model, args)
-        stop = threading.Event()
-        watcher = threading.Thread(target=jobs.watch, args=(stop,), daemon=True)
-        watcher.start()
-        wait_until(lambda: jobs.steps_trained > 0, 300, "the first step")
-        baseline = steps_in(jobs, args.baseline_s)
-        jobs.longest_stall_s = 0.0  # the stalls under chaos, not the start's
-        started = jobs.steps_trained
-        chaos_started = time.monotonic()
-        faults = inject(node, orgs, supervision, args, brokers)
-        under_chaos = (jobs.steps_trained - started) / (time.monotonic() - chaos_started) * 60
-        jobs.starting = False  # let what runs finish
-        wait_until(
-            lambda: all(r.get("status") not in ACTIVE for r in jobs.seen.values()),
-            900,
-            "every job finished",
-        )
-        stop.set()
-        watcher.join()
-        supervision.stop()
-        result = verdicts(node, jobs, args)
-    for broker in brokers.values():
-        broker.stop()
+            stop.set()
+            watcher.join()
+            supervision.stop()
+            result = verdicts(node, jobs, args)
+    finally:  # the cluster's brokers are processes of their own
+        for broker in brokers.values():
+            broker.stop()
 
     injected = [f for f in faults if "pid" in f]
     survived = [f for f in injected if f.get("survived")]

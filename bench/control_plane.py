@@ -20,8 +20,8 @@ tree's result (its JSON) beside this run's.
 
 `--kafka secured,open` runs each gateway count twice: on the node's own broker (SASL_SSL with
 SCRAM, a user and ACLs per service, as `rlnode up` runs it) and on an open broker
-(PLAINTEXT, no users, no ACLs; the node given it as KAFKA_BOOTSTRAP_SERVERS, as a broker of a
-user's own): what TLS and the logins cost, in the same run.
+(PLAINTEXT, no users, no ACLs; given to the node as a broker of a user's own, as
+KAFKA_BOOTSTRAP_SERVERS gives `rlnode up` one): what TLS and the logins cost, in the same run.
 
 `--history 100000` measures a node as it ages (#36): the same job on a new node, then again
 once at least that many records of history were added to its topics, with the time a
@@ -103,7 +103,7 @@ def started_node(
     whole (node_start_s: every service healthy), its broker (broker_start_s) and within
     that the formatting of the broker's log directory (broker_format_s), as the node and its
     broker recorded them; and the broker. `kafka` "open": an open broker of its own (no TLS,
-    no logins, no ACLs), started first and given to the node as KAFKA_BOOTSTRAP_SERVERS."""
+    no logins, no ACLs), started first and given to the node as a broker of the user's own."""
     with contextlib.ExitStack() as stack:
         broker = None
         if kafka == "open":

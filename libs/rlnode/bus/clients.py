@@ -8,7 +8,7 @@ import contextlib
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -185,30 +185,39 @@ def admin(settings: KafkaSettings) -> AIOKafkaAdminClient:
     )
 
 
-async def start_whole(start: Awaitable[None]) -> None:
-    """Run a client's start to its end even when the caller is cancelled meanwhile, then let
-    the cancellation through (the caller closes the client). aiokafka's bootstrap leaves its
-    connection open when cancelled mid-request (AIOKafkaClient.bootstrap closes it only on a
-    Kafka error or a timeout): an event stream whose HTTP client went away left one behind.
-    The wait is bounded by the client's request timeout."""
+async def start_client(
+    start: Awaitable[None],
+    close: Callable[[], Awaitable[Any]],
+    settings: KafkaSettings,
+    unreachable_errors: tuple[type[BaseException], ...] = (KafkaConnectionError, OSError),
+) -> None:
+    """Start an aiokafka client (`start`: its start(); `close`: its stop() or close()).
+    One that cannot reach the brokers is closed and raised as connect_error says (a refused
+    login names the user); one cancelled meanwhile is closed too, nothing left open.
+
+    The start runs to its end even when the caller is cancelled, and the cancellation goes
+    through after it: aiokafka's bootstrap leaves its connection open when cancelled
+    mid-request (AIOKafkaClient.bootstrap closes it only on a Kafka error or a timeout), and
+    an event stream whose HTTP client went away left one behind. The wait is bounded by the
+    client's request timeout."""
     started = asyncio.ensure_future(start)
     try:
         await asyncio.shield(started)
     except asyncio.CancelledError:
         with contextlib.suppress(BaseException):  # its own failure is not the caller's news
             await started
+        await close()
+        raise
+    except unreachable_errors as e:
+        await close()
+        raise await connect_error(settings, e) from e
+    except BaseException:
+        await close()
         raise
 
 
 async def _started(client: AIOKafkaAdminClient, settings: KafkaSettings) -> None:
-    try:
-        await start_whole(client.start())
-    except (KafkaConnectionError, OSError) as e:
-        await client.close()
-        raise await connect_error(settings, e) from e
-    except BaseException:  # cancelled while it connects: nothing left open
-        await client.close()
-        raise
+    await start_client(client.start(), client.close, settings)
 
 
 # A cluster whose brokers just started may not have registered them all yet: a topic with
@@ -253,12 +262,12 @@ async def ensure_topics(
                     for name in wanted
                 ]
             )
-            forming = []
+            forming = False
             for name, code, message in response.topic_errors:
                 if code == 0:
                     created.append(name)
                 elif code == INVALID_REPLICATION_FACTOR and time.monotonic() < deadline:
-                    forming.append(message)
+                    forming = True
                 elif code != TOPIC_ALREADY_EXISTS:  # someone else created it meanwhile
                     raise BusError(f"could not create topic {name}: error {code}: {message}")
             if not forming:

@@ -74,14 +74,12 @@ class Bus:
                     f"vault at {self.signer.vault_url}: {e}"
                 ) from e
         producer = clients.producer(self.settings, self.service)
-        try:
-            await clients.start_whole(producer.start())
-        except (TimeoutError, KafkaConnectionError, OSError) as e:
-            await producer.stop()
-            raise await clients.connect_error(self.settings, e) from e
-        except BaseException:  # cancelled while it starts: nothing left open
-            await producer.stop()
-            raise
+        await clients.start_client(
+            producer.start(),
+            producer.stop,
+            self.settings,
+            unreachable_errors=(TimeoutError, KafkaConnectionError, OSError),
+        )
         self._producer = producer
         for subscription in self.subscriptions:
             await subscription.start()

@@ -123,6 +123,27 @@ class Voter:
         return f"{self.node_id}@{bracketed(self.host)}:{self.port}"
 
 
+def kraft_properties(
+    node_id: int,
+    voters: str,
+    listeners: str,
+    advertised: str,
+    inter_broker: str,
+) -> dict[str, str]:
+    """A combined broker and controller (KRaft): its id, the cluster's voters, its listeners
+    (the controllers' named CONTROLLER) and what clients are told. The node's broker and
+    compose's share them."""
+    return {
+        "process.roles": "broker,controller",
+        "node.id": str(node_id),
+        "controller.quorum.voters": voters,
+        "listeners": listeners,
+        "advertised.listeners": advertised,
+        "inter.broker.listener.name": inter_broker,
+        "controller.listener.names": "CONTROLLER",
+    }
+
+
 def cluster_properties(replication: int, max_message_bytes: int) -> dict[str, str]:
     """A broker's settings that do not depend on where it runs: replication as the cluster's
     size allows (min.insync.replicas 2 from three brokers on), topics only made by rlnode,
@@ -254,16 +275,16 @@ class LocalBroker(ChildProcess):
         """server.properties: one listener for clients and brokers, one for the controllers,
         replication as the cluster's size allows; secured (below) unless `open`."""
         return {
-            "process.roles": "broker,controller",
-            "node.id": str(self.node_id),
-            "controller.quorum.voters": ",".join(str(v) for v in self.voters),
-            "listeners": (
-                f"BROKER://{self.bootstrap_servers},"
-                f"CONTROLLER://{bracketed(self.controller_host)}:{self.controller_port}"
+            **kraft_properties(
+                self.node_id,
+                voters=",".join(str(v) for v in self.voters),
+                listeners=(
+                    f"BROKER://{self.bootstrap_servers},"
+                    f"CONTROLLER://{bracketed(self.controller_host)}:{self.controller_port}"
+                ),
+                advertised=f"BROKER://{self.advertised or self.bootstrap_servers}",
+                inter_broker="BROKER",
             ),
-            "advertised.listeners": f"BROKER://{self.advertised or self.bootstrap_servers}",
-            "inter.broker.listener.name": "BROKER",
-            "controller.listener.names": "CONTROLLER",
             "log.dirs": str(self.data_dir),
             **cluster_properties(self.replication, self.max_message_bytes),
             **(self._open() if self.open else self._secured()),

@@ -13,7 +13,6 @@ from collections.abc import Hashable
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.errors import KafkaConnectionError
 from aiokafka.structs import ConsumerRecord
 
 from rlnode.bus import clients
@@ -68,14 +67,8 @@ class TopicReader:
         consumer = clients.consumer(
             self.settings, self.service, group_id=None, **self.consumer_options
         )
-        try:
-            await clients.start_whole(consumer.start())
-        except (KafkaConnectionError, OSError) as e:
-            await consumer.stop()
-            raise await clients.connect_error(self.settings, e) from e
-        except BaseException:  # cancelled (an event stream's client went away): close it
-            await consumer.stop()
-            raise
+        # Cancelled (an event stream's client went away) or failed: closed.
+        await clients.start_client(consumer.start(), consumer.stop, self.settings)
         self._consumer = consumer
         try:
             consumer.assign(partitions)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, cast
 
 from aiokafka import AIOKafkaConsumer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import KafkaConnectionError, KafkaError
+from aiokafka.errors import KafkaError
 from aiokafka.structs import ConsumerRecord
 from pydantic import BaseModel
 
@@ -143,14 +143,7 @@ class Subscription(Generic[M]):
                 from_beginning=self.from_beginning,
                 **self._consumer_options,
             )
-            try:
-                await clients.start_whole(consumer.start())
-            except (KafkaConnectionError, OSError) as e:
-                await consumer.stop()
-                raise await clients.connect_error(self.bus.settings, e) from e
-            except BaseException:  # cancelled while it starts: nothing left open
-                await consumer.stop()
-                raise
+            await clients.start_client(consumer.start(), consumer.stop, self.bus.settings)
             # Subscribed after the start, so that the group is joined in the background: a
             # consumer subscribed before would make `start` wait for the group's assignment
             # (seconds on a busy group), and a service would not answer its health check.

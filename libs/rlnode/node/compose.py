@@ -20,7 +20,7 @@ from pathlib import PurePosixPath
 import yaml
 
 from rlnode.bus.acls import Acl
-from rlnode.bus.principals import ADMIN
+from rlnode.bus.principals import ADMIN, MECHANISM
 from rlnode.node.plan import BASE_COMPOSE_GENERATORS, GpuPlan, compose_gpu_services
 from rlnode.service.registry import GENERATOR
 
@@ -174,7 +174,7 @@ def image_setting(variable: str) -> str:
     return name.replace("___", "-").replace("__", "\0").replace("_", ".").replace("\0", "_")
 
 
-def kafka_broker_settings(
+def kafka_broker_env(
     node_id: int,
     *,
     listeners: str,
@@ -184,33 +184,26 @@ def kafka_broker_settings(
     sasl_listeners: tuple[str, ...],
     inter_broker: str,
     replication: int,
-    admin_password: str,
 ) -> dict[str, str]:
-    """One compose broker's settings (server.properties keys)."""
-    from rlnode.bus.localbroker import cluster_properties, secured_properties
+    """A compose broker's environment: its settings (the node's broker's, from
+    rlnode.bus.localbroker) as the image's variables, the cluster id, and the admin's
+    password for its health check and format step."""
+    from rlnode.bus.localbroker import cluster_properties, kraft_properties, secured_properties
     from rlnode.bus.settings import DEFAULT_MAX_MESSAGE_BYTES
 
-    return {
-        "process.roles": "broker,controller",
-        "node.id": str(node_id),
-        "controller.quorum.voters": voters,
-        "listeners": listeners,
-        "advertised.listeners": advertised,
-        "inter.broker.listener.name": inter_broker,
-        "controller.listener.names": "CONTROLLER",
+    settings = {
+        **kraft_properties(node_id, voters, listeners, advertised, inter_broker),
         "listener.security.protocol.map": protocols,
         "log.dirs": KAFKA_DATA,
         **cluster_properties(replication, DEFAULT_MAX_MESSAGE_BYTES),
         **secured_properties(
-            KAFKA_ADMIN, admin_password, KAFKA_KEYSTORE_SECRET, KAFKA_CA_SECRET, sasl_listeners
+            KAFKA_ADMIN,
+            _password(KAFKA_ADMIN),
+            KAFKA_KEYSTORE_SECRET,
+            KAFKA_CA_SECRET,
+            sasl_listeners,
         ),
     }
-
-
-def kafka_broker_env(node_id: int, **where: str | tuple[str, ...] | int) -> dict[str, str]:
-    """A compose broker's environment: its settings as the image's variables, the cluster
-    id, and the admin's password for its health check and format step."""
-    settings = kafka_broker_settings(node_id, admin_password=_password(KAFKA_ADMIN), **where)  # type: ignore[arg-type]
     # A `$` of the settings' own (a principal mapping rule's) is escaped; `${...}` is
     # compose's interpolation (a password, a host's address), left to it.
     env = {image_variable(key): re.sub(r"\$(?!\{)", "$$", v) for key, v in settings.items()}
@@ -264,8 +257,6 @@ def control_host_broker() -> dict[str, str]:
 
 def _admin_properties(path: str) -> str:
     """A shell line writing the admin's client properties (SCRAM over TLS) to `path`."""
-    from rlnode.bus.principals import MECHANISM
-
     return (
         f"printf 'security.protocol=SASL_SSL\\nsasl.mechanism={MECHANISM}\\n"
         f"ssl.truststore.type=PEM\\nssl.truststore.location={KAFKA_CA_SECRET}\\n"
@@ -303,8 +294,6 @@ def kafka_format_script(env: dict[str, str]) -> str:
     kafka-storage.sh format with the admin's SCRAM credentials, which the brokers need in
     the metadata log before any of them is up to add them. The image's own start skips an
     already formatted log directory. One script for every broker: it names variables."""
-    from rlnode.bus.principals import MECHANISM
-
     lines = "".join(
         f' "{image_setting(name)}=$${{{name}}}"' for name in kafka_format_variables(env)
     )
@@ -320,8 +309,6 @@ def kafka_format_script(env: dict[str, str]) -> str:
 
 def kafka_client_env(user: str) -> dict[str, str]:
     """What a service's Kafka clients need (KafkaSettings): TLS to the brokers, its user."""
-    from rlnode.bus.principals import MECHANISM
-
     return {
         "KAFKA_SECURITY_PROTOCOL": "SASL_SSL",
         "KAFKA_SASL_MECHANISM": MECHANISM,
