@@ -164,6 +164,40 @@ def test_a_loss_the_node_does_not_train_fails_its_future_naming_the_ones_it_does
     service.close("success")
 
 
+def test_a_call_sent_again_with_its_seq_id_gets_its_first_future(node, alice) -> None:
+    """The SDK sends a call again, with its seq_id and a new idempotency key, when it did
+    not hear the answer in time (it did in CI, under load): the resend is the same call and
+    gets the same future; another call on a used seq_id is refused, naming it."""
+    import httpx
+
+    running, _directory = node
+    service = service_client(node, alice)
+    training = service.create_lora_training_client(base_model=BASE, rank=2).result(timeout=120)
+    api = running.url("tinker-api") + "/api/v1"
+
+    def post(route: str, body: dict, key: str) -> dict:
+        headers = {"X-API-Key": alice, "X-Idempotency-Key": key}
+        answer = httpx.post(f"{api}/{route}", json=body, headers=headers, timeout=60)
+        assert answer.status_code == 200, answer.text
+        return answer.json()
+
+    def result(request_id: str) -> dict:
+        answer = {"type": "try_again"}
+        while answer.get("type") == "try_again":  # the server long-polls: no busy loop
+            answer = post("retrieve_future", {"request_id": request_id}, "poll")
+        return answer
+
+    save = {"model_id": training.model_id, "path": "resent", "seq_id": 1}
+    first = post("save_weights_for_sampler", save, "first")["request_id"]
+    again = post("save_weights_for_sampler", save, "second")["request_id"]
+    assert again == first
+    assert result(first)["path"].endswith("/sampler_weights/resent")
+    other = post("save_weights_for_sampler", {**save, "path": "other"}, "third")["request_id"]
+    assert "seq_id 1 of model" in result(other)["error"]
+    assert "used already by another call" in result(other)["error"]
+    service.close("success")
+
+
 def test_a_key_that_is_not_an_org_tinker_key_is_refused(node) -> None:
     import httpx
 

@@ -301,7 +301,6 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         org: Org,
         request: Request,
         content_encoding: Annotated[str | None, Header()] = None,
-        x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         body = await request.body()
         if len(body) > settings.max_body_bytes:
@@ -320,16 +319,13 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
             raise ApiError(400, str(e)) from None
         model = model_of(org, model_id)
         touch(model)
-        request_id = await calls.submit(
-            model, internal_seq(seq), op, "forward_backward", x_idempotency_key
-        )
+        request_id = await calls.submit(model, internal_seq(seq), op, "forward_backward")
         return future(request_id, model.model_id)
 
     @app.post(API + "/optim_step", tags=["tinker"])
     async def optim_step(
         org: Org,
         body: dict[str, Any],
-        x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
         seq = seq_of(body)
@@ -340,14 +336,13 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
                 op = OptimStep.model_validate(body["adam_params"])
             except ValueError as e:
                 raise ApiError(400, f"adam_params: {e}") from None
-        request_id = await calls.submit(model, seq, op, "optim_step", x_idempotency_key)
+        request_id = await calls.submit(model, seq, op, "optim_step")
         return future(request_id, model.model_id)
 
     @app.post(API + "/save_weights", tags=["tinker"])
     async def save_weights(
         org: Org,
         body: dict[str, Any],
-        x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
         seq = seq_of(body)
@@ -363,7 +358,6 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
             seq,
             SaveWeights(name=name),
             "save_weights",
-            x_idempotency_key,
             name=name,
             user_metadata=body.get("user_metadata"),
         )
@@ -373,7 +367,6 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
     async def save_for_sampler(
         org: Org,
         body: dict[str, Any],
-        x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
         seq = seq_of(body)
@@ -389,7 +382,6 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
             seq,
             SaveForSampler(name=name),
             "save_weights_for_sampler",
-            x_idempotency_key,
             **context,
         )
         return future(request_id, model.model_id)
@@ -398,7 +390,6 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
     async def load_weights(
         org: Org,
         body: dict[str, Any],
-        x_idempotency_key: Annotated[str | None, Header()] = None,
     ) -> dict[str, Any]:
         path = str(body.get("path") or "")
 
@@ -434,7 +425,6 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
                 seq,
                 load,
                 "load_weights",
-                x_idempotency_key,
                 path=path,
             )
             return future(request_id, model.model_id)

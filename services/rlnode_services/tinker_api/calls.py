@@ -10,6 +10,7 @@ checkpoint."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 from collections import defaultdict
@@ -44,9 +45,10 @@ class Calls:
         self.bus, self.engine, self.futures = bus, engine, futures
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._held: dict[str, dict[int, TinkerCall | None]] = defaultdict(dict)
-        # (org, X-Idempotency-Key) -> request id: the SDK's HTTP layer sends a call again
-        # with the same key when it did not hear the answer; it gets the same future.
-        self._idempotent: dict[tuple[str, str], str] = {}
+        # (model, seq) -> (the call's digest, its request id). The SDK sends a call again, with
+        # its seq_id and a new X-Idempotency-Key, when it did not hear the answer in time (a
+        # read timeout, a 5xx): the same call gets the same future, another call is refused.
+        self._placed: dict[tuple[str, int], tuple[bytes, str]] = {}
 
     # -- out ----------------------------------------------------------------------------------
 
@@ -56,23 +58,25 @@ class Calls:
         seq: int,
         op: TinkerOp,
         kind: str,
-        idempotency_key: str | None = None,
         **context: Any,
     ) -> str:
         """Queue a call (internal number `seq`) of `model`; returns its future's id."""
-        if idempotency_key is not None:
-            known = self._idempotent.get((model.org_id, idempotency_key))
-            if known is not None and self.futures.get(known) is not None:
-                return known
+        digest = hashlib.blake2b(op.model_dump_json().encode(), digest_size=16).digest()
+        placed = self._placed.get((model.model_id, seq))
+        if placed is not None and self.futures.get(placed[1]) is not None:
+            if placed[0] == digest:
+                return placed[1]
+            request_id, _future = self.futures.open(model.org_id, kind, model_id=model.model_id)
+            self.futures.resolve(request_id, _used_already(model.model_id, seq))
+            return request_id
         request_id, future = self.futures.open(
             model.org_id, kind, model_id=model.model_id, **context
         )
-        if idempotency_key is not None:
-            if len(self._idempotent) > 10_000:  # keys of forgotten futures go with them
-                self._idempotent = {
-                    k: v for k, v in self._idempotent.items() if self.futures.get(v) is not None
-                }
-            self._idempotent[(model.org_id, idempotency_key)] = request_id
+        if len(self._placed) > 10_000:  # the places of forgotten futures go with them
+            self._placed = {
+                k: v for k, v in self._placed.items() if self.futures.get(v[1]) is not None
+            }
+        self._placed[(model.model_id, seq)] = (digest, request_id)
         call = TinkerCall(
             job_id=model.job_id, org_id=model.org_id, request_id=request_id, seq_id=seq, call=op
         )
@@ -135,14 +139,7 @@ class Calls:
                 next_seq = model.next_seq if model is not None else 0
             if seq < next_seq:
                 if call is not None and future is not None:
-                    self.futures.resolve(
-                        call.request_id,
-                        Answer.error(
-                            f"seq_id {seq - 1} of model {model_id} was used already: "
-                            "requests of a training client run in its order, once each",
-                            "user",
-                        ),
-                    )
+                    self.futures.resolve(call.request_id, _used_already(model_id, seq))
                 return
             held = self._held[model_id]
             held[seq] = call
@@ -269,3 +266,11 @@ class Calls:
 
 def _category(result: TinkerResult) -> str:
     return result.error_category or "server"
+
+
+def _used_already(model_id: str, seq: int) -> Answer:
+    return Answer.error(
+        f"seq_id {seq - 1} of model {model_id} was used already by another call: requests "
+        "of a training client run in its order, once each",
+        "user",
+    )
