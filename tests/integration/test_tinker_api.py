@@ -164,10 +164,11 @@ def test_a_loss_the_node_does_not_train_fails_its_future_naming_the_ones_it_does
     service.close("success")
 
 
-def test_a_call_sent_again_with_its_seq_id_gets_its_first_future(node, alice) -> None:
-    """The SDK sends a call again, with its seq_id and a new idempotency key, when it did
-    not hear the answer in time (it did in CI, under load): the resend is the same call and
-    gets the same future; another call on a used seq_id is refused, naming it."""
+def test_a_call_sent_again_gets_its_first_future(node, alice) -> None:
+    """The SDK sends a call again (same seq_id, a new idempotency key) when it did not hear
+    the answer in time, as it did in CI under load: the resend gets the first call's future,
+    even once that call is done (a named checkpoint then exists, a model too); another call
+    on a seq_id in use is refused, naming it."""
     import httpx
 
     running, _directory = node
@@ -175,8 +176,8 @@ def test_a_call_sent_again_with_its_seq_id_gets_its_first_future(node, alice) ->
     training = service.create_lora_training_client(base_model=BASE, rank=2).result(timeout=120)
     api = running.url("tinker-api") + "/api/v1"
 
-    def post(route: str, body: dict, key: str) -> dict:
-        headers = {"X-API-Key": alice, "X-Idempotency-Key": key}
+    def post(route: str, body: dict, key: str = "") -> dict:
+        headers = {"X-API-Key": alice, "X-Idempotency-Key": key or unique_id("key")}
         answer = httpx.post(f"{api}/{route}", json=body, headers=headers, timeout=60)
         assert answer.status_code == 200, answer.text
         return answer.json()
@@ -184,17 +185,22 @@ def test_a_call_sent_again_with_its_seq_id_gets_its_first_future(node, alice) ->
     def result(request_id: str) -> dict:
         answer = {"type": "try_again"}
         while answer.get("type") == "try_again":  # the server long-polls: no busy loop
-            answer = post("retrieve_future", {"request_id": request_id}, "poll")
+            answer = post("retrieve_future", {"request_id": request_id})
         return answer
 
     save = {"model_id": training.model_id, "path": "resent", "seq_id": 1}
-    first = post("save_weights_for_sampler", save, "first")["request_id"]
-    again = post("save_weights_for_sampler", save, "second")["request_id"]
-    assert again == first
-    assert result(first)["path"].endswith("/sampler_weights/resent")
-    other = post("save_weights_for_sampler", {**save, "path": "other"}, "third")["request_id"]
+    first = post("save_weights", save)["request_id"]
+    assert result(first)["path"].endswith("/weights/resent")
+    assert post("save_weights", save)["request_id"] == first  # not a 409: it exists
+    other = post("optim_step", {**save, "adam_params": {"learning_rate": 1e-3}})["request_id"]
     assert "seq_id 1 of model" in result(other)["error"]
     assert "used already by another call" in result(other)["error"]
+
+    session_id = training.model_id.split(":train:")[0]
+    create = {"session_id": session_id, "model_seq_id": 99, "base_model": BASE}
+    created = post("create_model", {**create, "lora_config": {"rank": 2}})["request_id"]
+    assert post("create_model", {**create, "lora_config": {"rank": 2}})["request_id"] == created
+    assert result(created)["type"] == "create_model"
     service.close("success")
 
 

@@ -270,6 +270,8 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         optimizer = (body.get("optimizer_config") or {}).get("type", "adamw")
         if optimizer != "adamw":
             raise ApiError(400, f"optimizer {optimizer!r} is not supported here: use adamw")
+        if (first := calls.resent(model.model_id, 0, "create_model")) is not None:
+            return future(first, model.model_id)  # sent again: its first answer
         with session_scope(engine) as s:
             if s.get(TinkerModel, model.model_id) is not None:
                 raise ApiError(409, f"model {model.model_id} exists already")
@@ -329,6 +331,8 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
         seq = seq_of(body)
+        if (first := calls.resent(model.model_id, seq, "optim_step")) is not None:
+            return future(first, model.model_id)  # sent again: its first answer
         async with keeping_place(model, seq):
             if body.get("adam_params") is None:
                 raise ApiError(400, "optim_step needs adam_params: this node's optimizer is AdamW")
@@ -346,6 +350,8 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
         seq = seq_of(body)
+        if (first := calls.resent(model.model_id, seq, "save_weights")) is not None:
+            return future(first, model.model_id)  # sent again: its first answer
         async with keeping_place(model, seq):
             name = _checkpoint_name(body.get("path"))
             path = tinker_path(model.model_id, "training", name)
@@ -370,6 +376,8 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
     ) -> dict[str, Any]:
         model = model_of(org, str(body.get("model_id")))
         seq = seq_of(body)
+        if (first := calls.resent(model.model_id, seq, "save_weights_for_sampler")) is not None:
+            return future(first, model.model_id)  # sent again: its first answer
         async with keeping_place(model, seq):
             name = _checkpoint_name(body["path"]) if body.get("path") else None
             context: dict[str, Any] = {"name": name, "user_metadata": body.get("user_metadata")}
@@ -410,6 +418,8 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
         if body.get("model_id"):  # into an existing run (TrainingClient.load_state)
             model = model_of(org, str(body["model_id"]))
             seq = seq_of(body)
+            if (first := calls.resent(model.model_id, seq, "load_weights")) is not None:
+                return future(first, model.model_id)  # sent again: its first answer
             async with keeping_place(model, seq):
                 source, load = checkpoint_to_load()
                 if (model.source, model.lora_config) != (source.source, source.lora_config):
@@ -439,6 +449,8 @@ def create_app(settings: TinkerApiSettings) -> FastAPI:
             "user_metadata": body.get("user_metadata"),
         }
         model = _new_model(org, session, spec, source_of)
+        if (first := calls.resent(model.model_id, 0, "load_weights")) is not None:
+            return future(first, model.model_id)  # sent again: its first answer
         with session_scope(engine) as s:
             if s.get(TinkerModel, model.model_id) is not None:
                 raise ApiError(409, f"model {model.model_id} exists already")

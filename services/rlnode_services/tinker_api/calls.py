@@ -10,7 +10,6 @@ checkpoint."""
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import logging
 from collections import defaultdict
@@ -45,10 +44,24 @@ class Calls:
         self.bus, self.engine, self.futures = bus, engine, futures
         self._locks: dict[str, asyncio.Lock] = defaultdict(asyncio.Lock)
         self._held: dict[str, dict[int, TinkerCall | None]] = defaultdict(dict)
-        # (model, seq) -> (the call's digest, its request id). The SDK sends a call again, with
-        # its seq_id and a new X-Idempotency-Key, when it did not hear the answer in time (a
-        # read timeout, a 5xx): the same call gets the same future, another call is refused.
-        self._placed: dict[tuple[str, int], tuple[bytes, str]] = {}
+        # (model, seq) -> (the call's kind, its request id). The SDK sends a call again, with
+        # its seq_id, when it did not hear the answer in time (a read timeout, a 5xx, a 409):
+        # a call of the same kind on a seq_id in use is that resend and gets the first future.
+        self._placed: dict[tuple[str, int], tuple[str, str]] = {}
+
+    def resent(self, model_id: str, seq: int, kind: str) -> str | None:
+        """The first future of a call sent again (internal number `seq`), if this is one."""
+        placed = self._placed.get((model_id, seq))
+        if placed is not None and placed[0] == kind and self.futures.get(placed[1]) is not None:
+            return placed[1]
+        return None
+
+    def _place(self, model_id: str, seq: int, kind: str, request_id: str) -> None:
+        if len(self._placed) > 10_000:  # the places of forgotten futures go with them
+            self._placed = {
+                k: v for k, v in self._placed.items() if self.futures.get(v[1]) is not None
+            }
+        self._placed[(model_id, seq)] = (kind, request_id)
 
     # -- out ----------------------------------------------------------------------------------
 
@@ -61,22 +74,16 @@ class Calls:
         **context: Any,
     ) -> str:
         """Queue a call (internal number `seq`) of `model`; returns its future's id."""
-        digest = hashlib.blake2b(op.model_dump_json().encode(), digest_size=16).digest()
-        placed = self._placed.get((model.model_id, seq))
-        if placed is not None and self.futures.get(placed[1]) is not None:
-            if placed[0] == digest:
-                return placed[1]
+        if (first := self.resent(model.model_id, seq, kind)) is not None:
+            return first
+        if (model.model_id, seq) in self._placed:  # another call on a seq_id in use
             request_id, _future = self.futures.open(model.org_id, kind, model_id=model.model_id)
             self.futures.resolve(request_id, _used_already(model.model_id, seq))
             return request_id
         request_id, future = self.futures.open(
             model.org_id, kind, model_id=model.model_id, **context
         )
-        if len(self._placed) > 10_000:  # the places of forgotten futures go with them
-            self._placed = {
-                k: v for k, v in self._placed.items() if self.futures.get(v[1]) is not None
-            }
-        self._placed[(model.model_id, seq)] = (digest, request_id)
+        self._place(model.model_id, seq, kind, request_id)
         call = TinkerCall(
             job_id=model.job_id, org_id=model.org_id, request_id=request_id, seq_id=seq, call=op
         )
@@ -92,6 +99,7 @@ class Calls:
         request_id, _future = self.futures.open(
             model.org_id, kind, model_id=model.model_id, **context
         )
+        self._place(model.model_id, 0, kind, request_id)
         calls = [
             TinkerCall(
                 job_id=model.job_id,
