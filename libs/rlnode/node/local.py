@@ -64,6 +64,15 @@ log = logging.getLogger("rlnode.node.local")
 LOOPBACK = "127.0.0.1"
 # The services with a Kafka user of their own (and ACLs: rlnode.bus.acls).
 ON_THE_BUS = tuple(sorted(topics.READERS))
+# The order a node's services stop in: those that call the others first (a generator its
+# gateways and the learner's weights, the tinker-api the generators), the vault that every
+# service checks tokens with last. A service not named stops with the first tier.
+STOP_TIERS = (
+    (TINKER_API.name, GENERATOR.name, CHECKPOINT_SERVER.name),
+    (LEARNER.name,),
+    (GATEWAY.name,),
+    (VAULT.name,),
+)
 
 
 @dataclass
@@ -478,10 +487,19 @@ class LocalNode:
         }
 
     def stop(self) -> dict[str, int]:
-        """Stop the services (consumers of others first), then the broker; exit codes."""
+        """Stop the services, then the broker; exit codes. The services stop in tiers,
+        consumers of the others first (STOP_TIERS), the services of a tier at once: one after
+        another a node took 14 s to stop on a loaded machine."""
         codes = {}
-        for key in reversed(list(self.processes)):
-            codes[key] = self.processes[key].stop()
+        tiers: list[list[str]] = [[] for _ in STOP_TIERS]
+        for key, process in self.processes.items():
+            tier = next((i for i, names in enumerate(STOP_TIERS) if process.spec.name in names), 0)
+            tiers[tier].append(key)
+        for keys in tiers:
+            for key in keys:
+                self.processes[key].terminate()
+            for key in keys:
+                codes[key] = self.processes[key].stop()
         self.processes.clear()
         if self.broker is not None:
             self.broker.stop()

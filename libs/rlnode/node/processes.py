@@ -129,6 +129,7 @@ class ServiceProcess:
             f"{spec.env_prefix}PORT": str(port),
         }
         self.proc: subprocess.Popen | None = None
+        self._terminated = False  # SIGTERM sent by terminate(); stop() waits for it
 
     @property
     def url(self) -> str:
@@ -139,6 +140,7 @@ class ServiceProcess:
         return self.url + self.spec.health_path
 
     def start(self) -> ServiceProcess:
+        self._terminated = False
         private_file(self.log_path)
         with open(self.log_path, "ab") as log:
             self._reap_group()  # what an earlier run of this service left behind
@@ -213,12 +215,18 @@ class ServiceProcess:
             )
         return body
 
+    def terminate(self) -> None:
+        """SIGTERM without waiting, so that several stop at once; stop() waits for it."""
+        if self.proc is not None and self.proc.poll() is None and not self._terminated:
+            self.proc.send_signal(signal.SIGTERM)
+            self._terminated = True
+
     def stop(self, timeout_s: float = 20.0) -> int:
         """SIGTERM, then SIGKILL if it has not stopped within `timeout_s`; the exit code."""
         if self.proc is None:
             return 0
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.terminate()
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
