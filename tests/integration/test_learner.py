@@ -204,9 +204,9 @@ async def test_a_job_learns_the_copy_task(
     _stack, model, _token, _directory = node
     learner = start_learner(node, kafka_broker, group=learner_group)
     # 8 prompts x 16 samples, lr 3e-3, 2 optimizer steps per step (the copy-task defaults);
-    # about 3 minutes through the services on 2 CPU cores. The smallest run that still
-    # fails when learning breaks (a learner that does not learn stays near 0.01).
-    steps = int(os.environ.get("RLNODE_E2E_STEPS", "60"))
+    # 30 s through the services on 2 quiet CPU cores. The smallest run that still fails
+    # when learning breaks (a learner that does not learn stays near 0.01).
+    steps = int(os.environ.get("RLNODE_E2E_STEPS", "40"))
     job_id = await user.start(
         example_job("copy_task", model, steps=steps, checkpoint_every=10, lora=lora)
     )
@@ -223,10 +223,10 @@ async def test_a_job_learns_the_copy_task(
     print("rewards", [round(d["reward_mean"], 2) for d in train])
     print("waited for data (s)", round(sum(d["wait_s"] for d in train), 1))
     print("computed (s)", round(sum(d["compute_s"] for d in train), 1))
-    # bench/inprocess.py with this config at 60 steps, seeds 0-7: full weights gain +0.30 to
-    # +0.66 (median +0.45), LoRA +0.25 to +0.52 (median +0.43). +0.15 passes a run that sits
-    # on the ~0.25 plateau of "a, b or c, not copied" (itself learnt from 0.01).
-    assert mean(last) >= mean(first) + 0.15
+    # bench/inprocess.py with this config at 40 steps, seeds 0-7: full weights gain +0.14 to
+    # +0.26 (median +0.18), LoRA +0.13 to +0.31 (median +0.21); a learner that does not
+    # learn, about 0. +0.07 leaves both margins at half the smallest gain or more.
+    assert mean(last) >= mean(first) + 0.07
     assert all(d["staleness_max"] <= 1 for d in train)  # max_async 1
     assert JobEventType.WEIGHTS_LOADED in kinds and JobEventType.CHECKPOINT_SAVED in kinds
     if lora is not None:  # adapters (and the embedding) synced, not the whole model

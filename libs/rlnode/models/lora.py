@@ -8,10 +8,12 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from rlnode.messages.config import LoraSpec
+
+if TYPE_CHECKING:  # tensors in, tensors out: whoever calls has torch loaded already
+    import torch
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"

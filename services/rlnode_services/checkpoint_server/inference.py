@@ -5,6 +5,7 @@ works, tools and tool calls included. Checkpoints load on first use into the LRU
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from fastapi import APIRouter
 
@@ -15,7 +16,6 @@ from rlnode.engine import (
     cut_at_stop,
     render_chat,
 )
-from rlnode.engine.torch_engine import TorchEngine
 from rlnode.service.auth import Scope, TokenClaims
 from rlnode.service.openai_api import (
     BadChatRequest,
@@ -32,6 +32,9 @@ from rlnode.service.openai_api import (
 from rlnode_services.checkpoint_server.access import Caller, need, org_of
 from rlnode_services.checkpoint_server.models import Checkpoints, ModelCache, ModelProblem
 from rlnode_services.checkpoint_server.settings import CheckpointServerSettings
+
+if TYPE_CHECKING:
+    from rlnode.engine.torch_engine import TorchEngine
 
 
 def inference_routes(

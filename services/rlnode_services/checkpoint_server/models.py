@@ -9,11 +9,11 @@ import asyncio
 import logging
 from collections import OrderedDict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from sqlalchemy.engine import Engine
 from sqlmodel import Session, col, select
 
-from rlnode.engine.torch_engine import TorchEngine
 from rlnode.messages.config import LoraSpec
 from rlnode.models.lora import (
     ADAPTER_CONFIG,
@@ -25,6 +25,9 @@ from rlnode.models.lora import (
 from rlnode_services.checkpoint_server.index import local_path
 from rlnode_services.checkpoint_server.settings import CheckpointServerSettings
 from rlnode_services.checkpoint_server.store import CheckpointRecord, EvalRecord
+
+if TYPE_CHECKING:  # torch loads with the first checkpoint served, not with the service
+    from rlnode.engine.torch_engine import TorchEngine
 
 log = logging.getLogger("checkpoint_server.models")
 
@@ -220,6 +223,8 @@ class ModelCache:
                 self._loading.pop(key, None)
 
     async def _load(self, key: str, path: Path) -> TorchEngine:
+        from rlnode.engine.torch_engine import TorchEngine
+
         adapter = adapter_of(path, key)
         try:
             # A LoRA checkpoint is served as its base with the adapters merged in.
