@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import shutil
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -24,7 +26,6 @@ def pytest_configure(config: pytest.Config) -> None:
     """Each pytest-xdist worker (and everything it starts) picks free ports from a range of
     its own, below the ephemeral range: two workers asking the kernel at once could both be
     offered the same port before either bound it."""
-    import os
 
     from rlnode.bus.children import FREE_PORTS_ENV
     from rlnode.testing import worker_port_range
@@ -62,7 +63,26 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     return LoadFileAndSharedNodes(config, log)
 
 
+# The longest test files (worker-seconds in a whole run here, 2026-12-07): handed out
+# first, so that none of them starts last and holds the run while the other worker idles
+# (with collection order, the three hosts' 345 s began near the end).
+LONGEST_FIRST = (
+    "tests/integration/test_tinker_cookbook.py",  # 402
+    "tests/integration/test_run_flow.py",  # 350
+    "tests/multihost/test_hosts.py",  # 345
+    "tests/integration/test_learner.py",  # 309
+    "tests/integration/test_rollout_generator.py",  # 303
+    "tests/chaos/test_kill_each_process.py",  # 253
+    "tests/integration/test_real_model_job.py",  # 240
+)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        path = item.nodeid.split("::")[0]
+        return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the rest keep their order
     gpu_items = [item for item in items if "gpu" in item.keywords]
     if not gpu_items:
         return
@@ -84,13 +104,33 @@ def isolated_data_dir(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("RLNODE_DATA_DIR", str(tmp_path / "rlnode-data"))
 
 
+def built_once(
+    tmp_path_factory: pytest.TempPathFactory, name: str, build: Callable[[Path], Any]
+) -> Path:
+    """`build(directory)` (a path it makes) once per session, by whichever pytest-xdist
+    worker asks first; the others wait for it and share what it made, without writing to it.
+    Each worker built its own before: the tool model, 50 CPU-seconds a worker."""
+    from filelock import FileLock
+
+    root = tmp_path_factory.getbasetemp()
+    if "PYTEST_XDIST_WORKER" in os.environ:
+        root = root.parent  # the session's, above each worker's own
+    directory, done = root / f"shared-{name}", root / f"shared-{name}.done"
+    with FileLock(str(root / f"shared-{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(directory, ignore_errors=True)  # a worker that failed half-way
+            build(directory)
+            done.touch()
+    return directory
+
+
 @pytest.fixture(scope="session")
 def tool_model(tmp_path_factory) -> Path:
     """A tiny Qwen2-shaped model fine-tuned to call the calculator tool (tests/tool_model.py):
     built once per session, for the tests that train on tool use."""
     from tests.tool_model import build_tool_model
 
-    return build_tool_model(tmp_path_factory.mktemp("tool-model") / "calculator")
+    return built_once(tmp_path_factory, "tool-model", build_tool_model)
 
 
 @pytest.fixture(scope="session")
@@ -100,9 +140,11 @@ def smollm2_store(tmp_path_factory) -> Path:
     from rlnode.models.catalogue import packaged_gguf
     from rlnode.models.gguf import import_gguf
 
-    store = tmp_path_factory.mktemp("model-store")
-    import_gguf(packaged_gguf("smollm2-135m-instruct"), store, "float32")
-    return store
+    def imported(store: Path) -> None:
+        store.mkdir()
+        import_gguf(packaged_gguf("smollm2-135m-instruct"), store, "float32")
+
+    return built_once(tmp_path_factory, "model-store", imported)
 
 
 @pytest.fixture(scope="session")
