@@ -4,8 +4,11 @@ engine loads with parity, checkpoints that restore exactly, and 2-process data p
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import socket
+import threading
+import time
 
 import blake3
 import pytest
@@ -301,6 +304,31 @@ def test_a_dead_rank_is_reported_not_waited_for(model_dir) -> None:
             parallel.step(_samples(parallel))
     finally:
         parallel.close()
+    assert not dist.is_initialized()
+
+
+def test_a_rank_that_dies_before_the_rendezvous_is_reported_at_once(model_dir) -> None:
+    """SIGKILLed while it starts (spawning, importing torch): the process group's own
+    rendezvous would have waited out its whole timeout (10 minutes) for it."""
+    import psutil
+
+    def kill_rank1_as_it_starts() -> None:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            for child in psutil.Process().children(recursive=True):
+                with contextlib.suppress(psutil.Error):
+                    if "spawn_main" in " ".join(child.cmdline()):
+                        child.kill()
+                        return
+            time.sleep(0.01)
+
+    killer = threading.Thread(target=kill_rank1_as_it_starts)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(DataParallelError, match=r"rank1 exited \(code -9\) before it reached"):
+        DataParallelTrainer(model_dir, _config(), ["cpu", "cpu"])
+    killer.join()
+    assert time.monotonic() - started < 60
     assert not dist.is_initialized()
 
 

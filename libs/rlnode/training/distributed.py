@@ -18,6 +18,7 @@ import contextlib
 import datetime
 import logging
 import os
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -53,12 +54,19 @@ class _Rendezvous:
     prefix: str = ""
 
 
+def _ready_key(rank: int) -> str:
+    return f"ready/{rank}"
+
+
 def _init(rank: int, device: str, rendezvous: _Rendezvous, store: dist.Store | None) -> None:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     if store is None:  # a spawned rank: a client of the learner's store
         address, port = rendezvous.store_address
         store = dist.TCPStore(address, port, is_master=False, timeout=rendezvous.timeout)
+        # Rank 0 waits for this (watching that the rank lives) before the process group's
+        # own rendezvous, which would wait out the whole timeout for a rank that died.
+        store.set(rendezvous.prefix + _ready_key(rank), "1")
     dist.init_process_group(
         rendezvous.backend,
         store=dist.PrefixStore(rendezvous.prefix + "pg/", store),
@@ -194,6 +202,8 @@ class DataParallelTrainer:
                 )
                 process.start()
                 self._workers.append(process)
+            if self._store is not None:
+                self._wait_for_workers(self._store, rendezvous)
             with self._collective():
                 _init(
                     0, self.devices[0], rendezvous, rank_hosts.store if rank_hosts else self._store
@@ -207,6 +217,25 @@ class DataParallelTrainer:
         )
         if self.remote is not None and rank_hosts is not None:
             self.remote.wait_for("ready", rank_hosts.timeout_s, "did not build its trainer")
+
+    def _wait_for_workers(self, store: dist.TCPStore, rendezvous: _Rendezvous) -> None:
+        """Until every spawned rank reached the rendezvous; DataParallelError naming the
+        first that exited before it (its start: spawning, importing torch, its device)."""
+        keys = [rendezvous.prefix + _ready_key(rank) for rank in range(1, len(self.devices))]
+        deadline = time.monotonic() + rendezvous.timeout.total_seconds()
+        while not store.check(keys):
+            for worker in self._workers:
+                if not worker.is_alive():
+                    raise DataParallelError(
+                        f"training rank {worker.name} exited (code {worker.exitcode}) before "
+                        "it reached the rendezvous; its error is in this service's log"
+                    )
+            if time.monotonic() > deadline:
+                raise DataParallelError(
+                    f"the training ranks did not reach the rendezvous within "
+                    f"{rendezvous.timeout.total_seconds():g}s"
+                )
+            time.sleep(0.1)
 
     def __getattr__(self, name: str) -> Any:
         # tokenizer, config, steps: the same on every rank.
