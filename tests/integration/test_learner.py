@@ -184,7 +184,15 @@ async def watch(make_bus, job_id: str, until, within_s: float) -> list[JobEvent]
         if until is None:
             await asyncio.sleep(within_s)
         else:
-            await asyncio.wait_for(done.wait(), within_s)
+            try:
+                await asyncio.wait_for(done.wait(), within_s)
+            except TimeoutError:
+                # What it waited for, and how far the job got: CI keeps no node log.
+                said = [f"{e.type.value}: {e.message}" for e in events[-8:]]
+                raise AssertionError(
+                    f"job {job_id}: no {until} within {within_s:g}s; "
+                    f"{len(events)} event(s), the last: {said}"
+                ) from None
     finally:
         await bus.stop()
     return events
