@@ -26,7 +26,6 @@ def pytest_configure(config: pytest.Config) -> None:
     """Each pytest-xdist worker (and everything it starts) picks free ports from a range of
     its own, below the ephemeral range: two workers asking the kernel at once could both be
     offered the same port before either bound it."""
-
     from rlnode.bus.children import FREE_PORTS_ENV
     from rlnode.testing import worker_port_range
 

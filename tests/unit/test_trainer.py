@@ -324,11 +324,10 @@ def test_a_rank_that_dies_before_the_rendezvous_is_reported_at_once(model_dir) -
 
     killer = threading.Thread(target=kill_rank1_as_it_starts)
     killer.start()
-    started = time.monotonic()
+    # Waited out, the rendezvous would say "exited; the job cannot go on" 10 minutes later.
     with pytest.raises(DataParallelError, match=r"rank1 exited \(code -9\) before it reached"):
         DataParallelTrainer(model_dir, _config(), ["cpu", "cpu"])
     killer.join()
-    assert time.monotonic() - started < 60
     assert not dist.is_initialized()
 
 
