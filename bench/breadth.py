@@ -120,7 +120,7 @@ def rlnode_job(model: Path, env: Environment, args) -> JobConfig:
         steps=args.steps,
         prompts_per_step=args.prompts,
         group_size=args.group,
-        learning_rate=args.lr,
+        optimizer={"lr": args.lr},
         max_async=1,
         checkpoint_every=args.steps,
     )

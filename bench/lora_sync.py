@@ -25,7 +25,7 @@ from bench_common import write_results
 from rlnode.engine import create_engine, render_chat
 from rlnode.engine.base import GenerationRequest
 from rlnode.messages import TrainingSpec
-from rlnode.messages.config import LoraSpec
+from rlnode.messages.config import AdamWSpec, LoraSpec
 from rlnode.models.catalogue import packaged_gguf
 from rlnode.models.gguf import import_gguf
 from rlnode.training.grpo import Sample
@@ -33,7 +33,9 @@ from rlnode.training.trainer import Trainer, TrainerConfig
 
 
 def _trained(model: Path, lora: LoraSpec | None) -> Trainer:
-    trainer = Trainer(model, TrainerConfig.of(TrainingSpec(learning_rate=1e-4, lora=lora)))
+    trainer = Trainer(
+        model, TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-4), lora=lora))
+    )
     prompt = render_chat(trainer.tokenizer, [{"role": "user", "content": "What is 3 + 4?"}])
     completion = trainer.tokenizer("7")["input_ids"]
     behaviour = trainer.score(prompt + completion)[len(prompt) - 1 :]

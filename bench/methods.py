@@ -35,7 +35,7 @@ def method_job(model: Path, args, method: str) -> JobConfig:
     training: dict = {}
     if method == "lora":
         training = {
-            "learning_rate": args.lora_lr,
+            "optimizer": {"lr": args.lora_lr},
             "lora": {"rank": args.lora_rank, "alpha": 2 * args.lora_rank},
         }
     elif method != "grpo":

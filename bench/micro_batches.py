@@ -27,6 +27,7 @@ from bench_common import own_status_bytes, reset_own_peak, write_results
 
 from rlnode.engine import render_chat
 from rlnode.messages import TrainingSpec
+from rlnode.messages.config import AdamWSpec
 from rlnode.models.catalogue import packaged_gguf
 from rlnode.models.gguf import import_gguf
 from rlnode.training.grpo import Sample
@@ -71,7 +72,7 @@ def main() -> None:
     budgets = [int(b) for b in args.budgets.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         model = import_gguf(packaged_gguf("smollm2-135m-instruct"), Path(tmp) / "models").path
-        trainer = Trainer(model, TrainerConfig.of(TrainingSpec(learning_rate=1e-6)))
+        trainer = Trainer(model, TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-6))))
         samples = _samples(trainer, args.rows, args.completion)
         _step(trainer, samples)  # warm-up: the optimizer's state exists from here on
         fixed: dict[int, list[tuple[float, int]]] = {b: [] for b in budgets}

@@ -39,6 +39,7 @@ from rlnode.engine.torch_engine import TorchEngine
 from rlnode.examples import example_job
 from rlnode.examples.taskapps import guess_number
 from rlnode.messages import RolloutWork, TrainingSpec, Trajectory
+from rlnode.messages.config import AdamWSpec
 from rlnode.models.build import init_model
 from rlnode.training.grpo import Sample, merge_turns, sample_batch, trained_tokens
 from rlnode.training.inprocess import InProcessGenerator
@@ -137,7 +138,7 @@ def measure(name: str, args, workdir: Path) -> dict[str, Any]:
     budget = MICRO_BATCH_TOKENS[name]
     trainer = Trainer(
         model,
-        TrainerConfig.of(TrainingSpec(learning_rate=1e-6, tokens_per_micro_batch=budget)),
+        TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-6), tokens_per_micro_batch=budget)),
     )
     agreement = logprob_agreement(trainer, trajectories)
     for batch in variants.values():  # warm-up

@@ -252,7 +252,7 @@ def rlnode_job(
         steps=args.steps,
         prompts_per_step=args.prompts,
         group_size=args.group,
-        learning_rate=args.lr,
+        optimizer={"lr": args.lr},
         max_async=args.max_async,
         checkpoint_every=args.steps,
         weight_sync_every=1,

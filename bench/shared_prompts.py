@@ -31,6 +31,7 @@ from bench_common import own_status_bytes, reset_own_peak, write_results
 from rlnode.engine import render_chat
 from rlnode.examples.taskapps import arithmetic
 from rlnode.messages import TrainingSpec
+from rlnode.messages.config import AdamWSpec
 from rlnode.models.catalogue import packaged_gguf
 from rlnode.models.gguf import import_gguf
 from rlnode.training.grpo import Sample
@@ -160,7 +161,7 @@ def main() -> None:
                 model,
                 TrainerConfig.of(
                     TrainingSpec(
-                        learning_rate=5e-6,
+                        optimizer=AdamWSpec(lr=5e-6),
                         tokens_per_micro_batch=args.budget,
                         share_prompts=share,
                     )

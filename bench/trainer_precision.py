@@ -27,6 +27,7 @@ from shared_prompts import interleaved_steps, sampled_step, step_arguments
 
 from rlnode.engine.precision import cpu_has_native_bf16
 from rlnode.messages import TrainingSpec
+from rlnode.messages.config import AdamWSpec
 from rlnode.models.catalogue import packaged_gguf
 from rlnode.models.gguf import import_gguf
 from rlnode.training.trainer import Trainer, TrainerConfig, completion_logprobs
@@ -55,7 +56,9 @@ def main() -> None:
             name: Trainer(
                 model,
                 TrainerConfig.of(
-                    TrainingSpec(learning_rate=5e-6, tokens_per_micro_batch=args.budget, **spec)
+                    TrainingSpec(
+                        optimizer=AdamWSpec(lr=5e-6), tokens_per_micro_batch=args.budget, **spec
+                    )
                 ),
             )
             for name, spec in PRECISIONS.items()

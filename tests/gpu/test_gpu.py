@@ -16,6 +16,7 @@ import torch
 
 from rlnode.engine import GenerationRequest, create_engine, render_chat
 from rlnode.messages import TrainingSpec
+from rlnode.messages.config import AdamWSpec
 from rlnode.models.build import init_model
 from rlnode.training.grpo import Sample
 from rlnode.training.trainer import Trainer, TrainerConfig
@@ -58,7 +59,9 @@ async def test_vllm_cuda_logprobs_equal_a_forward_pass(model, dtype, tolerance) 
 
 async def test_bf16_weights_from_the_trainer_pass_the_probe_in_vllm(model, tmp_path) -> None:
     pytest.importorskip("vllm")
-    trainer = Trainer(model, TrainerConfig.of(TrainingSpec(learning_rate=1e-3)), device="cuda")
+    trainer = Trainer(
+        model, TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-3))), device="cuda"
+    )
     tokenizer = trainer.tokenizer
     prompt = list(tokenizer("Copy: abc")["input_ids"])
     completion = [*tokenizer("abc")["input_ids"], tokenizer.eos_token_id]
@@ -85,7 +88,7 @@ def test_fsdp_over_two_gpus_matches_one(model, tmp_path) -> None:
 
     from rlnode.training.distributed import DataParallelTrainer
 
-    config = TrainerConfig.of(TrainingSpec(learning_rate=1e-3))
+    config = TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-3)))
     single = Trainer(model, config, device="cuda:0")
     tokenizer = single.tokenizer
     prompt = list(tokenizer("Copy: abc")["input_ids"])

@@ -157,7 +157,7 @@ def copy_config(model: Path, steps: int, **training) -> JobConfig:
         "copy_task",
         model,
         steps=steps,
-        **{"group_size": 8, "learning_rate": 5e-3, "checkpoint_every": 10, **training},
+        **{"group_size": 8, "optimizer": {"lr": 5e-3}, "checkpoint_every": 10, **training},
     )
 
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 
 from rlnode.engine import EngineError, GenerationRequest, create_engine, render_chat
 from rlnode.messages import TrainingSpec
-from rlnode.messages.config import LoraSpec
+from rlnode.messages.config import AdamWSpec, LoraSpec
 from rlnode.models.build import init_model
 from rlnode.training.grpo import Sample
 from rlnode.training.trainer import Trainer, TrainerConfig
@@ -31,7 +31,7 @@ def base(tmp_path_factory) -> Path:
 
 
 def _trainer(base: Path, spec: LoraSpec) -> Trainer:
-    config = TrainerConfig.of(TrainingSpec(learning_rate=5e-2, lora=spec.model_dump()))
+    config = TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=5e-2), lora=spec.model_dump()))
     return Trainer(base, config)
 
 

@@ -59,7 +59,7 @@ def node(tmp_path_factory):
             model,
             steps=STEPS,
             group_size=8,
-            learning_rate=5e-3,
+            optimizer={"lr": 5e-3},
             minibatches=1,
             checkpoint_every=2,
         )
@@ -579,7 +579,7 @@ def test_a_tool_calling_task_trains_through_the_node_and_its_checkpoint_calls_to
         checkpoint_every=2,
         # Small steps: the checkpoint must still call tools below (at the copy task's 3e-3,
         # two steps can undo the toy's fine-tuning, as one CI run saw).
-        learning_rate=1e-5,
+        optimizer={"lr": 1e-5},
     )
     job = JobConfig.model_validate(
         job.model_dump(mode="json")
@@ -674,7 +674,12 @@ def test_a_lora_job_syncs_adapters_and_its_checkpoints_are_served_merged(
     job = JobConfig.model_validate_json(config.read_text())
     lora = {"rank": 8, "alpha": 16, "target_modules": ["q_proj", "v_proj"]}
     document = job.model_dump(mode="json")
-    document["training"] |= {"steps": 2, "checkpoint_every": 2, "learning_rate": 5e-2, "lora": lora}
+    document["training"] |= {
+        "steps": 2,
+        "checkpoint_every": 2,
+        "optimizer": {"lr": 5e-2},
+        "lora": lora,
+    }
     document["eval"] = None
     document["logging"] = None
     lora_config = tmp_path / "lora.json"

@@ -176,7 +176,10 @@ async def test_cancel_stops_with_a_checkpoint_of_the_steps_taken(tiny_model, tmp
 
 
 async def test_a_resumed_loop_reissues_the_same_work_and_trains_nothing_twice(tiny_model, tmp_path):
-    job = config(tiny_model, steps=4, max_async=1, checkpoint_every=2)
+    schedule = {"warmup_steps": 1, "decay": "linear"}
+    job = config(
+        tiny_model, steps=4, max_async=1, checkpoint_every=2, optimizer={"schedule": schedule}
+    )
     first = Loop(tiny_model, tmp_path, job)
     task = asyncio.create_task(first.run())
     # The learner dies right after step 3, past the checkpoint at step 2: no cancel
@@ -203,6 +206,11 @@ async def test_a_resumed_loop_reissues_the_same_work_and_trains_nothing_twice(ti
     started = [e for e in second.transport.events if e.type is JobEventType.STARTED]
     assert len(started) == 1 and "from step 2" in started[0].message
     assert [s["step"] for s in second.events(JobEventType.TRAIN_STEP)] == [3, 4]
+    lr = job.training.optimizer.lr
+    rates = {s["step"]: s["learning_rate"] for s in first.events(JobEventType.TRAIN_STEP)}
+    assert [rates[step] for step in (1, 2, 3)] == pytest.approx([lr / 2, lr, lr * 2 / 3])
+    rates = [s["learning_rate"] for s in second.events(JobEventType.TRAIN_STEP)]
+    assert rates == pytest.approx([lr * 2 / 3, lr / 3])  # the schedule goes on from step 2
     assert [b["count"] for b in second.events(JobEventType.ROLLOUT_BATCH)] == [8, 8]
     # The same ids for the same work, so copies from before the restart count as done.
     before = {w.id for w in first.transport.work if w.step in (2, 3)}
@@ -339,7 +347,7 @@ async def test_a_tool_calling_task_trains_on_exactly_the_tokens_sampled(tool_mod
     episode as `tool_calls`, their results come back as tool messages in the next turn's
     prompt, and every turn trained is exactly what the engine sampled (ids and logprobs)."""
     job = config(
-        tool_model, steps=2, max_async=0, prompts_per_step=2, group_size=4, learning_rate=1e-5
+        tool_model, steps=2, max_async=0, prompts_per_step=2, group_size=4, optimizer={"lr": 1e-5}
     )
     job = job.model_copy(
         update={

@@ -12,6 +12,7 @@ import torch
 from pydantic import ValidationError
 
 from rlnode.messages import JobConfig, TrainingSpec
+from rlnode.messages.config import AdamWSpec
 from rlnode.models.build import init_tiny_model
 from rlnode.training.grpo import Sample
 from rlnode.training.losses import LOSSES, LossInputs, LossSettings, loss_settings, make_loss
@@ -233,7 +234,7 @@ def test_every_algorithm_takes_a_trainer_step_on_policy(model_dir, algorithm: st
     from tests.unit.test_trainer import _samples
 
     config = TrainerConfig.of(
-        TrainingSpec(algorithm=algorithm, learning_rate=1e-2, tis_cap=2.0, minibatches=2)
+        TrainingSpec(algorithm=algorithm, optimizer=AdamWSpec(lr=1e-2), tis_cap=2.0, minibatches=2)
     )
     trainer = Trainer(model_dir, config)
     samples = _samples(trainer)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from rlnode.messages import TrainingSpec
+from rlnode.messages.config import AdamWSpec
 from rlnode.models.build import init_tiny_model
 from rlnode.training.micro_batch_sizing import FLOOR_TOKENS, MicroBatchSizer
 from rlnode.training.trainer import Trainer, TrainerConfig
@@ -90,7 +91,7 @@ def model_dir(tmp_path_factory):
 
 
 def test_the_trainer_settles_on_a_measured_budget_and_reports_it(model_dir) -> None:
-    trainer = Trainer(model_dir, TrainerConfig.of(TrainingSpec(learning_rate=1e-3)))
+    trainer = Trainer(model_dir, TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-3))))
     assert trainer.config.tokens_per_micro_batch is None  # "measured", the default
     samples = _samples(trainer)
     budgets = [trainer.step(samples).micro_batch_tokens for _ in range(4)]

@@ -14,6 +14,7 @@ from rlnode.engine.torch_engine import TorchEngine
 from rlnode.examples import example_job
 from rlnode.examples.taskapps import guess_number
 from rlnode.messages import JobEventType, TokenTurn, TrainingSpec, Trajectory
+from rlnode.messages.config import AdamWSpec
 from rlnode.models.build import init_tiny_model
 from rlnode.training.grpo import (
     Sample,
@@ -148,7 +149,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def trainer(model_dir) -> Trainer:
-    return Trainer(model_dir, TrainerConfig.of(TrainingSpec(learning_rate=1e-2)))
+    return Trainer(model_dir, TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-2))))
 
 
 def _logprobs(trainer: Trainer, batch: list[Sample]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,7 +105,7 @@ def test_a_job_that_fails_here_mid_step_leaves_the_rank_host_to_the_next(
     parallel = DataParallelTrainer(model_dir, _config(), ["cpu"], rank_hosts=hub)
     try:
 
-        def fail(_samples: object) -> None:
+        def fail(_samples: object, _index: int | None) -> None:
             raise ValueError("rank 0 failed")
 
         monkeypatch.setattr(parallel.trainer, "step", fail)

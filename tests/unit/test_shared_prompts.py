@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from rlnode.messages import TrainingSpec
+from rlnode.messages.config import AdamWSpec
 from rlnode.models.build import init_tiny_model
 from rlnode.models.hf import load_causal_lm
 from rlnode.training.grpo import Sample
@@ -71,7 +72,7 @@ def test_a_packed_row_holds_the_prompt_once_and_each_completion_but_its_last_tok
 
 
 def test_packed_logprobs_and_gradients_equal_a_row_per_sample(model_dir) -> None:
-    trainer = Trainer(model_dir, TrainerConfig.of(TrainingSpec(learning_rate=1e-2)))
+    trainer = Trainer(model_dir, TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-2))))
     samples = _groups()
     results = []
     for share in (True, False):
@@ -105,8 +106,11 @@ def test_eager_attention_takes_the_block_mask_as_an_additive_one(model_dir) -> N
 def test_a_training_step_is_the_same_packed_or_not(model_dir) -> None:
     samples = _groups()
     packed, rows = (
-        Trainer(model_dir, TrainerConfig.of(TrainingSpec(learning_rate=1e-2))),
-        Trainer(model_dir, TrainerConfig.of(TrainingSpec(learning_rate=1e-2, share_prompts=False))),
+        Trainer(model_dir, TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-2)))),
+        Trainer(
+            model_dir,
+            TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-2), share_prompts=False)),
+        ),
     )
     assert packed.share_prompts and not rows.share_prompts
     a, b = packed.step(samples), rows.step(samples)
@@ -126,7 +130,8 @@ def test_groups_stay_whole_in_micro_batches_and_split_only_past_the_budget(model
     assert sum(len(g.samples) for g in split) == len(samples)
     assert all(g.tokens <= 10 or len(g.samples) == 1 for g in split)
     trainer = Trainer(
-        model_dir, TrainerConfig.of(TrainingSpec(learning_rate=1e-2, tokens_per_micro_batch=16))
+        model_dir,
+        TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-2), tokens_per_micro_batch=16)),
     )
     batches = trainer._sample_batches(samples)
     assert sorted(id(s) for b in batches for s in b) == sorted(id(s) for s in samples)
@@ -155,8 +160,11 @@ def test_datums_on_a_shared_prompt_pass_as_one_row_with_the_same_logprobs_and_gr
     assert packed.input_ids.shape[0] == 2  # one row per prompt
     assert packed.padded_tokens < len(datums) * max(d.tokens for d in datums)
     shared, alone = (
-        Trainer(model_dir, TrainerConfig.of(TrainingSpec(learning_rate=1e-2))),
-        Trainer(model_dir, TrainerConfig.of(TrainingSpec(learning_rate=1e-2, share_prompts=False))),
+        Trainer(model_dir, TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-2)))),
+        Trainer(
+            model_dir,
+            TrainerConfig.of(TrainingSpec(optimizer=AdamWSpec(lr=1e-2), share_prompts=False)),
+        ),
     )
     loss = TokenLoss.of("cross_entropy")
     a, b = shared.forward_backward(datums, loss), alone.forward_backward(datums, loss)

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from rlnode.messages import TrainingSpec
+from rlnode.messages.config import AdamWSpec
 from rlnode.models.build import init_tiny_model
 from rlnode.training.distributed import DataParallelTrainer
 from rlnode.training.losses.tinker import LossRefused, TokenLoss
@@ -111,7 +112,9 @@ def model_dir(tmp_path_factory):
 
 
 def _trainer(model_dir, **changes) -> Trainer:
-    spec = TrainingSpec(**{"learning_rate": 1e-2, "tokens_per_micro_batch": 4096, **changes})
+    spec = TrainingSpec(
+        **{"optimizer": AdamWSpec(lr=1e-2), "tokens_per_micro_batch": 4096, **changes}
+    )
     return Trainer(model_dir, TrainerConfig.of(spec))
 
 
@@ -230,7 +233,7 @@ def test_positions_without_a_gradient_and_kept_activations_change_nothing(model_
 
 
 def test_over_two_ranks_a_pass_and_a_step_equal_one_process(model_dir) -> None:
-    spec = TrainingSpec(learning_rate=1e-2, tokens_per_micro_batch=4096)
+    spec = TrainingSpec(optimizer=AdamWSpec(lr=1e-2), tokens_per_micro_batch=4096)
     single = Trainer(model_dir, TrainerConfig.of(spec))  # before the process group exists
     loss, datums = TokenLoss.of("cross_entropy"), [_datum(s) for s in SEQUENCES]
     expected = single.forward_backward(datums, loss)

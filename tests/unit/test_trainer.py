@@ -19,6 +19,7 @@ from safetensors.torch import load_file
 
 from rlnode.engine.torch_engine import TorchEngine
 from rlnode.messages import TrainingSpec
+from rlnode.messages.config import AdamWSpec, LrScheduleSpec
 from rlnode.models.build import init_tiny_model
 from rlnode.training.distributed import DataParallelError, DataParallelTrainer
 from rlnode.training.grpo import Sample
@@ -55,7 +56,7 @@ def _samples(trainer_or_engine, n: int = 8) -> list[Sample]:
 
 def _config(**changes) -> TrainerConfig:
     return TrainerConfig.of(
-        TrainingSpec(**{"learning_rate": 1e-2, "tokens_per_micro_batch": 4096, **changes})
+        TrainingSpec(**{"optimizer": AdamWSpec(lr=1e-2), "tokens_per_micro_batch": 4096, **changes})
     )
 
 
@@ -195,20 +196,25 @@ def test_published_weights_load_in_the_engine_with_parity(model_dir, tmp_path) -
 
 
 def test_a_checkpoint_restores_model_optimizer_and_state(model_dir, tmp_path) -> None:
-    trainer = Trainer(model_dir, _config())
+    # A warmup then a linear decay: the resumed trainer must take the schedule's next rate.
+    schedule = LrScheduleSpec(warmup_steps=1, decay="linear")
+    config = _config(steps=3, optimizer=AdamWSpec(lr=1e-2, betas=(0.8, 0.99), schedule=schedule))
+    trainer = Trainer(model_dir, config)
     samples = _samples(trainer)
-    trainer.step(samples)
+    assert trainer.step(samples).learning_rate == pytest.approx(5e-3)
     path = trainer.save_checkpoint(
         tmp_path / "ckpt" / "step-1", {"trained_ids": ["a", "b"], "sampler": 7}
     )
     assert (path / "config.json").is_file() and (path / "tokenizer.json").is_file()
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == ["step-1"]
     trainer.step(samples)  # the continuation we expect
+    group = trainer.optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(1e-2) and group["betas"] == (0.8, 0.99)
 
-    resumed = Trainer(model_dir, _config())
+    resumed = Trainer(model_dir, config)
     state = resumed.load_checkpoint(path)
     assert state["trained_ids"] == ["a", "b"] and state["sampler"] == 7 and resumed.steps == 1
-    resumed.step(samples)
+    assert resumed.step(samples).learning_rate == pytest.approx(1e-2)
     for a, b in zip(trainer.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.allclose(a, b, atol=1e-5)  # same optimizer moments, same next step
 

@@ -33,7 +33,7 @@ def job_config_path(name: str) -> Path:
 
 def example_job(name: str, model: Path | str, **training: Any) -> JobConfig:
     """Example job config `name` on the model at `model`, with the given `training` fields
-    replaced (e.g. `steps=100, max_async=0`)."""
+    replaced (e.g. `steps=100, max_async=0, optimizer={"lr": 1e-3}`)."""
     from rlnode.sdk.jobs import load_config
 
     config = load_config(job_config_path(name))
@@ -41,7 +41,19 @@ def example_job(name: str, model: Path | str, **training: Any) -> JobConfig:
         update={
             "model": config.model.model_copy(update={"source": str(model)}),
             "training": config.training.model_validate(
-                {**config.training.model_dump(), **training}
+                _merged(config.training.model_dump(), training)
             ),
         }
     )
+
+
+def _merged(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `changes`, section by section: `optimizer={"lr": 1e-3}` keeps the file's
+    other optimizer settings."""
+    out = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merged(out[key], value)
+        else:
+            out[key] = value
+    return out

@@ -223,6 +223,69 @@ class LoraSpec(StrictModel):
         return self.alpha / self.rank
 
 
+class LrScheduleSpec(StrictModel):
+    """The learning rate over training steps (TRL's lr_scheduler_type with warmup_steps,
+    prime-rl's scheduler): a linear warmup to `optimizer.lr`, then constant, or a linear or
+    cosine decay to `min_lr_ratio` x lr by `decay_steps` (rlnode.training.schedule). Counted
+    in training steps: a step's `minibatches` optimizer steps share its rate."""
+
+    warmup_steps: NonNegativeInt = Field(
+        0,
+        le=10_000_000,
+        description="Steps whose rate rises linearly to lr: step k (from 0) takes "
+        "(k+1)/(warmup_steps+1) x lr, so the first step already learns.",
+    )
+    decay: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="What the rate does after the warmup."
+    )
+    min_lr_ratio: float = Field(
+        0.0, ge=0.0, le=1.0, description="Where a decay ends, as a share of lr."
+    )
+    decay_steps: PositiveInt | None = Field(
+        None,
+        le=10_000_000,
+        description="The step (counted from 0, warmup included) that a decay reaches "
+        "min_lr_ratio x lr at, and later steps keep; defaults to training.steps, so the last "
+        "step still learns with a floor of 0.",
+    )
+
+    @model_validator(mode="after")
+    def _decay_after_warmup(self) -> LrScheduleSpec:
+        if self.decay_steps is not None and self.decay_steps <= self.warmup_steps:
+            raise ValueError(
+                f"training.optimizer.schedule.decay_steps ({self.decay_steps}) must be above warmup_steps "
+                f"({self.warmup_steps}): the decay starts after the warmup"
+            )
+        return self
+
+
+class AdamWSpec(StrictModel):
+    """The trainer's optimizer, typed (PyTorch's AdamW, fused, decoupled weight decay; TRL's
+    learning_rate, adam_beta1/2, adam_epsilon, weight_decay, max_grad_norm), with its
+    learning-rate schedule: the one object the trainer takes its optimizer from."""
+
+    name: Literal["adamw"] = Field("adamw", description="The only optimizer offered.")
+    lr: float = Field(1e-5, gt=0.0, le=1.0, description="The peak learning rate.")
+    betas: tuple[
+        Annotated[float, Field(ge=0.0, lt=1.0)], Annotated[float, Field(ge=0.0, lt=1.0)]
+    ] = (0.9, 0.999)
+    eps: float = Field(1e-8, gt=0.0, le=1.0)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    max_grad_norm: float = Field(
+        1.0, gt=0.0, description="The global gradient norm is clipped to this before a step."
+    )
+    schedule: LrScheduleSpec = Field(default_factory=LrScheduleSpec)
+
+
+# training.learning_rate (and its two neighbours) name the optimizer's settings, as jobs
+# written before [training.optimizer] did; both at once would be two answers to one question.
+_FLAT_OPTIMIZER_KEYS = {
+    "learning_rate": "lr",
+    "weight_decay": "weight_decay",
+    "max_grad_norm": "max_grad_norm",
+}
+
+
 class TrainingSpec(StrictModel):
     algorithm: Algorithm = Field(
         "grpo",
@@ -236,9 +299,12 @@ class TrainingSpec(StrictModel):
     )
     prompts_per_step: PositiveInt = Field(8, le=65_536)
     group_size: int = Field(4, ge=2, le=1024, description="Samples per prompt (GRPO needs >= 2).")
-    learning_rate: float = Field(1e-5, gt=0.0, le=1.0)
-    weight_decay: float = Field(0.0, ge=0.0)
-    max_grad_norm: float = Field(1.0, gt=0.0)
+    optimizer: AdamWSpec = Field(
+        default_factory=AdamWSpec,
+        description="[training.optimizer]: lr, betas, eps, weight_decay, max_grad_norm and "
+        "[training.optimizer.schedule]. training.learning_rate, weight_decay and max_grad_norm "
+        "are read as these (jobs written before the section).",
+    )
     clip_eps: float | None = Field(
         None,
         gt=0.0,
@@ -275,6 +341,39 @@ class TrainingSpec(StrictModel):
     lora: LoraSpec | None = Field(
         None, description="Train low-rank adapters instead of every weight ([training.lora])."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _flat_optimizer_keys(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or not _FLAT_OPTIMIZER_KEYS.keys() & data.keys():
+            return data
+        data = dict(data)
+        optimizer = data.get("optimizer", {})
+        if not isinstance(optimizer, dict):
+            return data  # an AdamWSpec already: a flat key beside it is refused as unknown
+        optimizer = dict(optimizer)
+        for flat, nested in _FLAT_OPTIMIZER_KEYS.items():
+            if flat not in data:
+                continue
+            if nested in optimizer:
+                raise ValueError(
+                    f"training.{flat} and training.optimizer.{nested} are the same setting: "
+                    f"keep training.optimizer.{nested} alone"
+                )
+            optimizer[nested] = data.pop(flat)
+        data["optimizer"] = optimizer
+        return data
+
+    @model_validator(mode="after")
+    def _warmup_within_steps(self) -> TrainingSpec:
+        warmup = self.optimizer.schedule.warmup_steps
+        if self.steps and warmup >= self.steps:
+            raise ValueError(
+                f"training.optimizer.schedule.warmup_steps ({warmup}) is not below "
+                f"training.steps ({self.steps}): the job would end before it reached its "
+                "learning rate. Shorten the warmup or train more steps"
+            )
+        return self
 
     @property
     def dapo_options(self) -> DapoSpec | None:

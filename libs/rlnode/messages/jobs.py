@@ -218,6 +218,14 @@ class TrainStepData(EventData):
         "(k3 estimate): the engines' numerical gap plus the samples' staleness. A rise warns "
         "of a run about to collapse; training.tis_cap corrects for it.",
     )
+    learning_rate: NonNegativeFloat | None = Field(
+        None, description="The step's learning rate (training.optimizer.schedule)."
+    )
+    grad_norm: NonNegativeFloat | None = Field(
+        None,
+        description="The gradient norm before clipping (the mean over the step's optimizer "
+        "steps); None when the step trained nothing.",
+    )
     curriculum_level: NonNegativeInt | None = Field(
         None,
         description="The curriculum's level after this step (task_app.curriculum; None "

@@ -294,12 +294,12 @@ class DataParallelTrainer:
         with self._collective():
             return getattr(self.trainer, command)(*argument)
 
-    def step(self, samples: list[Sample]) -> StepMetrics:
+    def step(self, samples: list[Sample], index: int | None = None) -> StepMetrics:
         if len(samples) < self.world:
             raise ValueError(
                 f"{len(samples)} sample(s) cannot be split over {self.world} training devices"
             )
-        metrics: StepMetrics = self._run("step", samples)
+        metrics: StepMetrics = self._run("step", samples, index)
         return metrics
 
     def forward_backward(

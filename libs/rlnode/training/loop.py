@@ -52,6 +52,7 @@ from rlnode.training.model_source import with_imported_model
 from rlnode.training.policy import JobCancelled, JobFailed, Policy
 from rlnode.training.rank_hosts import RankHub
 from rlnode.training.samples import describe, pick, task_metrics
+from rlnode.training.schedule import learning_rate_at
 from rlnode.training.storage import remove_temporaries
 from rlnode.training.trainer import TrainerConfig
 from rlnode.training.transport import JobTransport
@@ -548,11 +549,13 @@ class JobRunner:
         started = time.perf_counter()
         # Data parallel needs a sample per rank; a batch with fewer to learn from is skipped.
         if len(samples) >= trainer.world:
-            metrics = await self._policy.on_trainer_thread(trainer.step, samples)
+            metrics = await self._policy.on_trainer_thread(trainer.step, samples, step)
             loss, kl, clip, tokens = metrics.loss, metrics.kl, metrics.clip_fraction, metrics.tokens
             mismatch_kl, micro_batch_tokens = metrics.mismatch_kl, metrics.micro_batch_tokens
+            grad_norm: float | None = metrics.grad_norm
         else:  # every group tied: nothing to learn from this batch, but the step counts
             loss, kl, clip, tokens, mismatch_kl, micro_batch_tokens = 0.0, None, 0.0, 0, None, 0
+            grad_norm = None
         compute_s = time.perf_counter() - started
         self.trained.update(str(t.work_id) for t in trajectories)
         self.step = step + 1
@@ -586,6 +589,8 @@ class JobRunner:
                 merged_trajectories=batch.merged_trajectories,
                 per_turn_trajectories=batch.per_turn_trajectories,
                 mismatch_kl=mismatch_kl,
+                learning_rate=learning_rate_at(t.optimizer, step, t.steps),
+                grad_norm=grad_norm,
                 curriculum_level=self.curriculum.level,
                 task_metrics=task_metrics(ok),
             ),

@@ -232,6 +232,8 @@ class TinkerRun:
                 wait_s=0.0,
                 compute_s=compute_s,
                 world_size=trainer.world,
+                learning_rate=op.learning_rate,
+                grad_norm=grad_norm,
             ),
         )
         if self.steps % self.checkpoint_every == 0:

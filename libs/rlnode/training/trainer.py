@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
 from rlnode.messages import JobConfig, SamplingSpec, TrainingSpec
-from rlnode.messages.config import LoraSpec
+from rlnode.messages.config import AdamWSpec, LoraSpec
 from rlnode.models import TIED_INPUT, TIED_OUTPUT
 from rlnode.models.hf import load_causal_lm, load_tokenizer
 from rlnode.models.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, PREFIX, peft_config, saved_in_full
@@ -43,6 +43,7 @@ from rlnode.training.grpo import Sample, trained_tokens
 from rlnode.training.losses import LossInputs, LossSettings, loss_settings, make_loss
 from rlnode.training.losses.tinker import TokenLoss
 from rlnode.training.micro_batch_sizing import MicroBatchSizer
+from rlnode.training.schedule import learning_rate_at
 from rlnode.training.shared_prompts import (
     BLOCK_MASK_ATTENTION,
     PackedRows,
@@ -67,9 +68,8 @@ class TrainerConfig:
     """What the trainer needs of a job, taken from its config in one place (`for_job`): the
     defaults and their meaning live once, on `TrainingSpec` and `SamplingSpec`."""
 
-    learning_rate: float
-    weight_decay: float
-    max_grad_norm: float
+    optimizer: AdamWSpec  # AdamW's settings and the learning-rate schedule
+    total_steps: int  # the job's training steps: where a decay's schedule ends by default
     algorithm: str  # the policy loss (rlnode.training.losses)
     loss: LossSettings
     temperature: float  # the sampling temperature: logprobs are of logits / temperature
@@ -97,9 +97,8 @@ class TrainerConfig:
     def of(cls, training: TrainingSpec, sampling: SamplingSpec | None = None) -> TrainerConfig:
         sampling = sampling or SamplingSpec()
         return cls(
-            learning_rate=training.learning_rate,
-            weight_decay=training.weight_decay,
-            max_grad_norm=training.max_grad_norm,
+            optimizer=training.optimizer,
+            total_steps=training.steps,
             algorithm=training.algorithm,
             loss=loss_settings(training, sampling),
             # Temperature 0 is greedy sampling, scored at temperature 1 (see rlnode.engine).
@@ -132,6 +131,7 @@ class StepMetrics:
     # engines' numerical gap plus the samples' staleness (None: nothing trained).
     mismatch_kl: float | None = None
     micro_batch_tokens: int = 0  # the budget its micro-batches were packed to (the largest)
+    learning_rate: float = 0.0  # the schedule's rate for the step
 
 
 def _world() -> tuple[int, int]:
@@ -587,8 +587,10 @@ class Trainer:
         # chunked; measured in bench/results/trainer_memory.md).
         self.optimizer = torch.optim.AdamW(
             [p for p in self.policy.parameters() if p.requires_grad],
-            lr=config.learning_rate,
-            weight_decay=config.weight_decay,
+            lr=config.optimizer.lr,
+            betas=config.optimizer.betas,
+            eps=config.optimizer.eps,
+            weight_decay=config.optimizer.weight_decay,
             fused=True,
         )
         self.loss = make_loss(config.loss, config.algorithm)
@@ -633,14 +635,19 @@ class Trainer:
             if master.requires_grad or not trained_only:
                 copy.copy_(master)
 
-    def step(self, samples: list[Sample]) -> StepMetrics:
+    def step(self, samples: list[Sample], index: int | None = None) -> StepMetrics:
         """One training step on `samples` (every rank passes the same list): `minibatches`
         optimizer steps, each on its part of the samples (the same parts on every rank), or
-        one step on them all. Metrics are token-weighted over the parts; `mismatch_kl` is
-        the first part's, measured before any update."""
+        one step on them all, at the schedule's rate for the job's step `index` (from 0;
+        default: the steps this trainer took, which a job's skipped steps do not count).
+        Metrics are token-weighted over the parts; `mismatch_kl` is the first part's,
+        measured before any update."""
         started = time.perf_counter()
         if not samples:
             raise ValueError("a training step needs at least one sample")
+        rate = self.learning_rate_at(self.steps if index is None else index)
+        for group in self.optimizer.param_groups:
+            group["lr"] = rate
         parts = minibatch_parts(
             samples, self.config.minibatches, self.world, seed=f"{self.config.seed}:{self.steps}"
         )
@@ -670,7 +677,12 @@ class Trainer:
             compute_s=time.perf_counter() - started,
             mismatch_kl=results[0].mismatch_kl,
             micro_batch_tokens=max(r.micro_batch_tokens for r in results),
+            learning_rate=rate,
         )
+
+    def learning_rate_at(self, index: int) -> float:
+        """The job's rate at its training step `index` (rlnode.training.schedule)."""
+        return learning_rate_at(self.config.optimizer, index, self.config.total_steps)
 
     def _sample_batches(
         self, samples: list[Sample], count: int | None = None
@@ -774,7 +786,9 @@ class Trainer:
             if terms.kl_sum is not None:
                 sums["kl"] += float(terms.kl_sum)
                 sums["kl_tokens"] += float(mask.sum())
-        norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), self.config.max_grad_norm)
+        norm = torch.nn.utils.clip_grad_norm_(
+            self.policy.parameters(), self.config.optimizer.max_grad_norm
+        )
         grad_norm = float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)
         self.optimizer.step()
         self._refresh_compute_copy()
