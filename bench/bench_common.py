@@ -140,7 +140,14 @@ def job_config(model: Path, args, max_async: int | None = None):
         steps=args.steps,
         prompts_per_step=args.prompts,
         group_size=args.group,
-        optimizer={"lr": args.lr},
+        optimizer={
+            "lr": args.lr,
+            "schedule": {
+                key: getattr(args, key)
+                for key in ("warmup_steps", "decay", "min_lr_ratio")
+                if getattr(args, key, None) is not None
+            },
+        },
         minibatches=args.minibatches,
         max_async=args.max_async if max_async is None else max_async,
         checkpoint_every=1000,
@@ -165,6 +172,13 @@ def training_arguments(parser, steps: int, max_async: int | None) -> None:
     parser.add_argument(
         "--minibatches", type=int, default=1, help="optimizer steps per training step"
     )
+    # Constant by default, unlike the copy task's file: TRL runs at a constant rate beside
+    # these, and the results so far were measured so.
+    parser.add_argument("--warmup-steps", type=int, default=0, help="lr warmup steps")
+    parser.add_argument(
+        "--decay", default="constant", help="lr after the warmup: constant, linear or cosine"
+    )
+    parser.add_argument("--min-lr-ratio", type=float, default=0.0, help="where a decay ends")
     if max_async is not None:
         parser.add_argument("--max-async", type=int, default=max_async)
     parser.add_argument(
@@ -180,11 +194,13 @@ def training_arguments(parser, steps: int, max_async: int | None) -> None:
     )
 
 
-def trl_grpo_config(out: Path, *, steps: int, batch: int, **varied: Any):
+def trl_grpo_config(out: Path, *, steps: int, batch: int, bf16: bool = False, **varied: Any):
     """TRL's GRPOConfig with rlnode's loss (token-mean over the batch, clip 0.2, group std
     scaling, no KL), a constant learning rate and no saving, logging or progress bars, for
-    the benchmarks that run TRL against rlnode; `varied`: what each benchmark sets itself
-    (num_generations, learning_rate, temperature, max_completion_length, seed, ...)."""
+    the benchmarks that run TRL against rlnode; `bf16`: TRL's (Accelerate's) bf16 mixed
+    precision, autocast over fp32 weights, which a user on a CPU with native bf16 would turn
+    on; `varied`: what each benchmark sets itself (num_generations, learning_rate,
+    temperature, max_completion_length, seed, ...)."""
     from trl import GRPOConfig
 
     return GRPOConfig(
@@ -205,7 +221,7 @@ def trl_grpo_config(out: Path, *, steps: int, batch: int, **varied: Any):
         save_strategy="no",
         report_to="none",
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,
         disable_tqdm=True,
         **varied,
     )

@@ -176,7 +176,7 @@ async def test_cancel_stops_with_a_checkpoint_of_the_steps_taken(tiny_model, tmp
 
 
 async def test_a_resumed_loop_reissues_the_same_work_and_trains_nothing_twice(tiny_model, tmp_path):
-    schedule = {"warmup_steps": 1, "decay": "linear"}
+    schedule = {"warmup_steps": 1, "decay": "linear", "min_lr_ratio": 0.0}
     job = config(
         tiny_model, steps=4, max_async=1, checkpoint_every=2, optimizer={"schedule": schedule}
     )

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import os
+import signal
 import socket
 import threading
 import time
@@ -334,6 +336,51 @@ def test_a_rank_that_dies_before_the_rendezvous_is_reported_at_once(model_dir) -
     with pytest.raises(DataParallelError, match=r"rank1 exited \(code -9\) before it reached"):
         DataParallelTrainer(model_dir, _config(), ["cpu", "cpu"])
     killer.join()
+    assert not dist.is_initialized()
+
+
+def _pending_signals(pid: int) -> int:
+    """The signals waiting for a process (its own and its thread group's), from /proc."""
+    fields = dict(
+        line.split(":", 1)
+        for line in open(f"/proc/{pid}/status").read().splitlines()
+        if ":" in line
+    )
+    return int(fields["SigPnd"], 16) | int(fields["ShdPnd"], 16)
+
+
+def test_a_rank_stuck_in_a_step_fails_it_with_that_ranks_stack(model_dir) -> None:
+    """A rank that lives but does not answer (SIGSTOPped here, as a rank stuck in a kernel
+    or a deadlock would be): rank 0's collective times out and the error carries the stuck
+    rank's Python stack, asked for with SIGUSR1. #49's two-rank hang left no log at all."""
+    samples = _samples(Trainer(model_dir, _config()))
+    timeout = datetime.timedelta(seconds=10)
+    parallel = DataParallelTrainer(model_dir, _config(), ["cpu", "cpu"], collective_timeout=timeout)
+    try:
+        parallel.step(samples)  # both ranks answer
+        rank1 = parallel._workers[0]
+        assert rank1.pid is not None
+        os.kill(rank1.pid, signal.SIGSTOP)
+
+        def continue_once_asked() -> None:
+            # A stopped process takes SIGUSR1 (and writes its stack) when it runs again.
+            while rank1.is_alive():
+                if _pending_signals(rank1.pid) & (1 << (signal.SIGUSR1 - 1)):
+                    os.kill(rank1.pid, signal.SIGCONT)
+                    return
+                time.sleep(0.02)
+
+        resumer = threading.Thread(target=continue_once_asked)
+        resumer.start()
+        with pytest.raises(DataParallelError, match="while every training rank lived") as failed:
+            parallel.step(samples)
+        resumer.join()
+        said = str(failed.value)
+        # Its main thread's Python frames, wherever it stopped (its command, or the end of
+        # the step before: rank 0 does not wait for a rank's optimizer step).
+        assert "rlnode-trainer-rank1" in said and "in _worker" in said, said
+    finally:
+        parallel.close()
     assert not dist.is_initialized()
 
 

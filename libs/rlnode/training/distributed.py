@@ -16,10 +16,14 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import faulthandler
 import logging
 import os
+import shutil
+import signal
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -40,6 +44,8 @@ log = logging.getLogger("rlnode.training.distributed")
 
 # A collective waits this long for a rank that went away before it fails (instead of hanging).
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# How long rank 0 waits for a live rank's stack once it asked for it (SIGUSR1).
+STACK_WAIT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -58,7 +64,15 @@ def _ready_key(rank: int) -> str:
     return f"ready/{rank}"
 
 
-def _init(rank: int, device: str, rendezvous: _Rendezvous, store: dist.Store | None) -> None:
+def _built_key(rank: int) -> str:
+    return f"built/{rank}"
+
+
+def _command_key(number: int) -> str:
+    return f"cmd/{number}"
+
+
+def _init(rank: int, device: str, rendezvous: _Rendezvous, store: dist.Store | None) -> dist.Store:
     if device.startswith("cuda"):
         torch.cuda.set_device(torch.device(device))
     if store is None:  # a spawned rank: a client of the learner's store
@@ -74,6 +88,21 @@ def _init(rank: int, device: str, rendezvous: _Rendezvous, store: dist.Store | N
         world_size=rendezvous.world,
         timeout=rendezvous.timeout,
     )
+    return store
+
+
+def _next_command(store: dist.Store, key: str, parent: int) -> bool:
+    """Waits until rank 0 announces its next command under `key` (True), or until rank 0 is
+    gone (False): its store closed the connection, or this process was re-parented."""
+    while True:
+        try:
+            store.wait([key])  # the store's timeout, the collectives' (it warns as it passes)
+            return True
+        except dist.DistNetworkError:
+            return False
+        except dist.DistStoreError:  # the timeout passed: a job may wait that long for data
+            if os.getppid() != parent:
+                return False
 
 
 def _receive() -> tuple[str, Any]:
@@ -90,9 +119,16 @@ def _worker(
     devices: list[str],
     reference_on_trainer: bool,
     reference_device: str | None,
+    stacks: str,
 ) -> None:
+    parent = os.getppid()
+    # Rank 0 asks for this rank's stack (SIGUSR1) when a collective fails with the rank
+    # alive: written by the interpreter's C handler, so a rank stuck in native code (a
+    # collective, a kernel) answers too.
+    stack_file = open(_stack_path(stacks, rank), "w")  # open for the process's life
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // len(devices)))
-    _init(rank, devices[rank], rendezvous, None)
+    store = _init(rank, devices[rank], rendezvous, None)
     try:
         trainer = Trainer(
             model_path,
@@ -101,13 +137,23 @@ def _worker(
             reference_on_trainer=reference_on_trainer,
             reference_device=reference_device,
         )
-        while True:
+        store.set(rendezvous.prefix + _built_key(rank), "1")
+        # The next command is awaited in rank 0's store, not in a collective: a collective
+        # would fail at its timeout (a job paused for its Task App waits longer), and the
+        # store's connection ends with rank 0 if rank 0 is killed.
+        number = 0
+        while _next_command(store, rendezvous.prefix + _command_key(number), parent):
+            number += 1
             command, argument = _receive()
             if command == "stop":
                 return
             getattr(trainer, command)(*argument)
     finally:
         dist.destroy_process_group()
+
+
+def _stack_path(stacks: str, rank: int) -> Path:
+    return Path(stacks) / f"rank{rank}.txt"
 
 
 class DataParallelTrainer:
@@ -124,7 +170,11 @@ class DataParallelTrainer:
         reference_on_trainer: bool = False,
         reference_device: str | None = None,
         rank_hosts: RankHub | None = None,
+        collective_timeout: datetime.timedelta = COLLECTIVE_TIMEOUT,
     ) -> None:
+        """`collective_timeout`: how long this host's ranks wait in one collective (and in
+        the rendezvous) for the others before the job fails with the stacks of those that
+        live; rank hosts have theirs (`RankHub.timeout_s`)."""
         if not devices:
             raise DataParallelError("data parallelism needs at least one device")
         if config.lora is not None and (len(devices) > 1 or rank_hosts is not None):
@@ -140,6 +190,9 @@ class DataParallelTrainer:
         self.remote: RemoteRanks | None = None
         self._workers: list[BaseProcess] = []
         self._store: dist.TCPStore | None = None  # rank 0's, when the ranks are this host's
+        self._commands = 0  # announced in the store, where spawned ranks wait for them
+        self._stacks = ""  # where spawned ranks write their stacks when asked
+        self._timeout = collective_timeout
         self._broken = False
         self.world = len(devices)
         try:
@@ -175,15 +228,16 @@ class DataParallelTrainer:
             # port found free and bound later can be taken in between (CI saw a rendezvous
             # hang with xdist workers starting trainers at once).
             self._store = dist.TCPStore(
-                "127.0.0.1", 0, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False
+                "127.0.0.1", 0, is_master=True, timeout=self._timeout, wait_for_workers=False
             )
             rendezvous = _Rendezvous(
                 backend_for(self.devices),
                 self.world,
-                COLLECTIVE_TIMEOUT,
+                self._timeout,
                 store_address=("127.0.0.1", self._store.port),
             )
         if self.world > 1:
+            self._stacks = tempfile.mkdtemp(prefix="rlnode-rank-stacks-")
             context = mp.get_context("spawn")
             for rank in range(1, len(self.devices)):
                 process = context.Process(
@@ -196,6 +250,7 @@ class DataParallelTrainer:
                         self.devices,
                         reference_on_trainer,
                         reference_device,
+                        self._stacks,
                     ),
                     name=f"rlnode-trainer-rank{rank}",
                     daemon=True,
@@ -203,7 +258,9 @@ class DataParallelTrainer:
                 process.start()
                 self._workers.append(process)
             if self._store is not None:
-                self._wait_for_workers(self._store, rendezvous)
+                self._wait_for_workers(
+                    self._store, rendezvous, _ready_key, "reached the rendezvous"
+                )
             with self._collective():
                 _init(
                     0, self.devices[0], rendezvous, rank_hosts.store if rank_hosts else self._store
@@ -217,23 +274,31 @@ class DataParallelTrainer:
         )
         if self.remote is not None and rank_hosts is not None:
             self.remote.wait_for("ready", rank_hosts.timeout_s, "did not build its trainer")
+        if self._store is not None:  # before the first command: a rank still loading the
+            # model would make rank 0's first collective wait for it, its timeout counting
+            self._wait_for_workers(self._store, rendezvous, _built_key, "built its trainer")
 
-    def _wait_for_workers(self, store: dist.TCPStore, rendezvous: _Rendezvous) -> None:
-        """Until every spawned rank reached the rendezvous; DataParallelError naming the
-        first that exited before it (its start: spawning, importing torch, its device)."""
-        keys = [rendezvous.prefix + _ready_key(rank) for rank in range(1, len(self.devices))]
+    def _wait_for_workers(
+        self, store: dist.TCPStore, rendezvous: _Rendezvous, key: Callable[[int], str], what: str
+    ) -> None:
+        """Until every spawned rank set its `key` (it `what`); DataParallelError naming
+        the first that exited before (its start: spawning, importing torch, its device,
+        loading the model), or the ranks late past the timeout, with their stacks."""
+        keys = {rank: rendezvous.prefix + key(rank) for rank in range(1, len(self.devices))}
         deadline = time.monotonic() + rendezvous.timeout.total_seconds()
-        while not store.check(keys):
+        while not store.check(list(keys.values())):
             for worker in self._workers:
                 if not worker.is_alive():
                     raise DataParallelError(
                         f"training rank {worker.name} exited (code {worker.exitcode}) before "
-                        "it reached the rendezvous; its error is in this service's log"
+                        f"it {what}; its error is in this service's log"
                     )
             if time.monotonic() > deadline:
+                late = [r for r, k in keys.items() if not store.check([k])]
                 raise DataParallelError(
-                    f"the training ranks did not reach the rendezvous within "
-                    f"{rendezvous.timeout.total_seconds():g}s"
+                    f"training rank(s) {', '.join(map(str, late))} had not {what} after "
+                    f"{rendezvous.timeout.total_seconds():g} s; their stacks:\n"
+                    + self._live_stacks(late)
                 )
             time.sleep(0.1)
 
@@ -270,7 +335,47 @@ class DataParallelTrainer:
                     f"training rank(s) {', '.join(exited)} exited; the job cannot go on "
                     "data parallel"
                 ) from e
+            if isinstance(e, RuntimeError):  # gloo's or NCCL's: a rank that lives is stuck
+                stacks = self._live_stacks()
+                log.error("a collective failed (%s); the other ranks' stacks:\n%s", e, stacks)
+                raise DataParallelError(
+                    f"a collective failed while every training rank lived (rank 0 waits "
+                    f"{self._timeout.total_seconds():g} s for the others): "
+                    f"{str(e).splitlines()[0] if str(e) else type(e).__name__}. "
+                    f"The other ranks' stacks:\n{stacks}"
+                ) from e
             raise
+
+    def _live_stacks(self, ranks: list[int] | None = None) -> str:
+        """The Python stacks of this host's other ranks (`ranks`, default all) that live,
+        each asked for with SIGUSR1 (faulthandler writes it); a rank that does not answer
+        within STACK_WAIT_S is named as such (a stopped process answers when it runs
+        again)."""
+        asked = {}
+        for rank, worker in enumerate(self._workers, start=1):
+            if ranks is not None and rank not in ranks:
+                continue
+            if worker.is_alive() and worker.pid is not None:
+                path = _stack_path(self._stacks, rank)
+                asked[rank] = (worker, path, path.stat().st_size if path.exists() else 0)
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGUSR1)
+        out: list[str] = []
+        deadline = time.monotonic() + STACK_WAIT_S
+        for worker, path, before in asked.values():
+            text = ""
+            while time.monotonic() < deadline:
+                time.sleep(0.1)  # faulthandler writes the whole dump at once, threads apart
+                written = path.read_text(errors="replace")[before:] if path.exists() else ""
+                if written and written == text:
+                    break
+                text = written
+            out.append(
+                f"--- {worker.name} (pid {worker.pid}):\n{text.rstrip()}"
+                if text
+                else f"--- {worker.name} (pid {worker.pid}): no stack within {STACK_WAIT_S:g} s"
+            )
+        return "\n".join(out)
 
     def _command(self, command: str, argument: Any = None) -> None:
         if self.world == 1:
@@ -287,6 +392,9 @@ class DataParallelTrainer:
             if self.remote is not None:
                 self.remote.check()
                 self.remote.ring(command)
+            elif self._store is not None:
+                self._store.set(_command_key(self._commands), command)
+                self._commands += 1
             dist.broadcast_object_list([(command, argument)], src=0)
 
     def _run(self, command: str, *argument: Any) -> Any:
@@ -349,3 +457,5 @@ class DataParallelTrainer:
                     worker.join()
             if dist.is_initialized():
                 dist.destroy_process_group()
+            if self._stacks:
+                shutil.rmtree(self._stacks, ignore_errors=True)

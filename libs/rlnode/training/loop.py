@@ -102,6 +102,7 @@ class JobRunner:
         samples_per_work: int = 16,
         model_store: Path | None = None,
         rank_hosts: RankHub | None = None,
+        collective_timeout_s: float = 600.0,
     ) -> None:
         """`weights_dir`: the weights store, where weight versions go when it has room
         (None: beside the checkpoints); `weights_dtype`: the engines' dtype, which they are
@@ -112,12 +113,15 @@ class JobRunner:
         item (a generator runs them together; fewer spread a group over more generators);
         `model_store`: where a GGUF model.source is imported to (None: GGUF is not taken);
         `rank_hosts`: the rendezvous of other hosts' training ranks, which the job trains on
-        beside `devices` (rlnode.training.rank_hosts)."""
+        beside `devices` (rlnode.training.rank_hosts); `collective_timeout_s`: how long this
+        host's training ranks wait for each other in one collective before the job fails
+        with the stacks of those that live."""
         self.job_id, self.org_id, self.config = job_id, org_id, config
         self.transport = transport
         self.root = job_dir(checkpoint_root, org_id, job_id)
         self.devices = devices
         self.rank_hosts = rank_hosts
+        self.collective_timeout_s = collective_timeout_s
         self.reference_device = reference_device
         self.weights_root = weights_dir
         self.weights_dtype = weights_dtype
@@ -251,6 +255,7 @@ class JobRunner:
             if self.config.topology.reference == "dedicated"
             else None,
             rank_hosts=self.rank_hosts,
+            collective_timeout_s=self.collective_timeout_s,
             weights_root=self.weights_root,
             weights_dtype=self.weights_dtype,
             max_checkpoint_bytes=self.max_checkpoint_bytes,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -66,6 +67,7 @@ class Policy:
         weights_dtype: str = "float32",
         max_checkpoint_bytes: int | None = None,
         disk_full_wait_s: float = 600.0,
+        collective_timeout_s: float = 600.0,
     ) -> None:
         """`root`: the run's directory (checkpoints, and weights when the weights store has
         no room); `weights_root`: the weights store (None: beside the checkpoints);
@@ -84,6 +86,7 @@ class Policy:
         self.kept_versions = kept_versions
         self.max_checkpoint_bytes = max_checkpoint_bytes
         self.disk_full_wait_s = disk_full_wait_s
+        self.collective_timeout = datetime.timedelta(seconds=collective_timeout_s)
         self._publish, self._event, self.cancelled = publish_weights, event, cancelled
         self.weights_dir = root / "weights"
         self.trainer: DataParallelTrainer | None = None
@@ -124,6 +127,7 @@ class Policy:
             reference_on_trainer=self.reference_on_trainer,
             reference_device=self.reference_device,
             rank_hosts=self.rank_hosts,
+            collective_timeout=self.collective_timeout,
         )
         self.weights_dir = await asyncio.to_thread(self._choose_weights_dir)
 

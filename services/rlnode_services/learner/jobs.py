@@ -201,6 +201,7 @@ class JobManager:
             samples_per_work=self.settings.samples_per_work,
             model_store=self.settings.node.model_dir,
             rank_hosts=self.rank_hosts,
+            collective_timeout_s=self.settings.rank_timeout_s,
             probe=task_app_probe(self.settings, record.org_id, config.task_app.name),
         )
 

@@ -61,9 +61,10 @@ class LearnerSettings(VaultClientSettings):
     rank_timeout_s: float = Field(
         600.0,
         gt=0,
-        description="Longest wait of one collective with rank hosts (and of their loading the "
-        "model) before the job fails naming the rank; a rank host that exits or stops its "
-        "heartbeat is found within seconds.",
+        description="Longest wait of one collective between training ranks (and of their "
+        "loading the model) before the job fails naming the rank, with the stacks of this "
+        "host's ranks that live (SIGUSR1, faulthandler); a rank or rank host that exits or "
+        "stops its heartbeat is found within seconds.",
     )
     reference_device: str | None = Field(
         None,
