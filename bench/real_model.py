@@ -82,6 +82,8 @@ def trl_worker(model: Path, args, out: Path) -> None:
     from trl import GRPOTrainer
 
     torch.manual_seed(args.seed)
+    if args.trl_mode == "vllm":
+        _sync_through_reload()
     tasks = questions(range(args.prompts * args.steps))
     dataset = Dataset.from_list(
         [{"prompt": arithmetic.prompt(t), "answer": t["answer"]} for t in tasks]
@@ -195,6 +197,28 @@ def trl_worker(model: Path, args, out: Path) -> None:
         "trl children": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20,
     }
     out.write_text(json.dumps(record))
+
+
+def _sync_through_reload() -> None:
+    """TRL 1.16's colocated vLLM sync, with vLLM 0.32's in-place reload in place of the
+    model's `load_weights`. TRL calls `model.load_weights([(name, tensor)])` on the engine's
+    model (it supports vLLM 0.22-0.31); vLLM 0.32 processes a model's weights after loading
+    into parameters that have no `weight_loader`, so that call fails ("'Parameter' object has
+    no attribute 'weight_loader'"), and it offers `reload_weights(weights_iterator=...)`,
+    which restores the loading layout, loads and processes again (what rlnode's generator
+    uses, from a file). The same tensors TRL would send, through that door."""
+    from trl.generation.vllm_generation import VLLMGeneration
+
+    def sync_weights(self) -> None:
+        if self.mode != "colocate":
+            raise RuntimeError("only TRL's colocated vLLM mode runs here")
+        weights = [(name, tensor.detach()) for name, tensor in self._iter_named_params()]
+        self.llm.collective_rpc(
+            "reload_weights", kwargs={"weights_iterator": weights, "is_checkpoint_format": True}
+        )
+        self.llm.reset_prefix_cache()
+
+    VLLMGeneration.sync_weights = sync_weights
 
 
 def _time_calls(owner, name: str, clock: dict, key: str) -> None:
@@ -519,6 +543,8 @@ def interleaved(model: Path, args, workdir: Path) -> dict[str, list[dict]]:
                     f"{result['samples_per_s']:.2f} samples/s",
                     flush=True,
                 )
+            # The rounds so far, written as they end: a run cut short keeps them.
+            report(results, args)
     return results
 
 
@@ -560,6 +586,8 @@ def report(results: dict[str, list[dict]], args) -> None:
     rows = []
     for system, runs in results.items():
         ok = [r for r in runs if "error" not in r]
+        if not runs:
+            continue
         if not ok:
             # The exception's own line: the end of the worker's stderr.
             reason = runs[0]["error"].split(" | ")[-1].removeprefix("[rank0]: ").strip()
