@@ -147,7 +147,8 @@ bench-real: setup
 
 # Training methods on the real model (B12, ~1 h on 2 cores) and LoRA's weight sync (B11).
 # B13: the real model on many environments (reasoning-gym tasks, verifiers, TextArena) beside
-# TRL on three of them (about an hour; not in `make bench`).
+# TRL on the reasoning-gym ones, 24 steps x 2 rounds: many hours on 2 cores, so not in
+# `make bench`; `--only TASKS --merge` runs a few and keeps the others' rows.
 bench-breadth: setup
 	$(PIP) -e '.[bench]'
 	$(BIN)/python bench/breadth.py
