@@ -19,6 +19,7 @@ from rlnode.testing import (
     broker_with_topics,
     postgres_admin_url,
     temporary_postgres_database,
+    waiting_for,
 )
 
 
@@ -215,11 +216,13 @@ async def next_matching(
     queue: asyncio.Queue, predicate: Callable[[object], bool], within_s: float = 30.0
 ):
     """The next item on `queue` that matches (others are dropped: the broker may be shared)."""
-    async with asyncio.timeout(within_s):
+    dropped: list[object] = []
+    async with waiting_for("matching item", within_s, lambda: f"{len(dropped)} others"):
         while True:
             item = await queue.get()
             if predicate(item):
                 return item
+            dropped.append(item)
 
 
 async def eventually(condition: Callable[[], bool], within_s: float, what: str) -> None:

@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -263,6 +263,21 @@ def wait_until(check, timeout_s: float, what: str, interval_s: float = 0.5):
             return value
         time.sleep(interval_s)
     raise TimeoutError(f"not within {timeout_s:.0f}s: {what}")
+
+
+@contextlib.asynccontextmanager
+async def waiting_for(
+    what: str, within_s: float, progress: Callable[[], object] | None = None
+) -> AsyncIterator[None]:
+    """`asyncio.timeout(within_s)` that says, when it gives up, what it waited for and (from
+    `progress()`) how far it got: a test that only says TimeoutError leaves a CI run's reader
+    nothing to go on."""
+    try:
+        async with asyncio.timeout(within_s):
+            yield
+    except TimeoutError:
+        seen = f"; so far: {progress()}" if progress is not None else ""
+        raise AssertionError(f"no {what} within {within_s:g} s{seen}") from None
 
 
 def fit_completions(

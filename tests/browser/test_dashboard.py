@@ -28,6 +28,7 @@ from rlnode.sdk.vault import VaultClient
 from rlnode.service.auth import LEEWAY_S
 from rlnode.service.registry import CHECKPOINT_SERVER, VAULT
 from rlnode.testing import unique_id, wait_until
+from rlnode.training.schedule import learning_rate_at
 
 sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright (make setup)")
 CHROMIUM = shutil.which("chromium")
@@ -229,6 +230,10 @@ def test_a_finished_job_shows_the_sdks_numbers_its_rollouts_and_answers(page, da
     # Every number shown is the events' (the SDK's, `rlnode job watch`'s) own.
     steps = [e.data for e in events if e.type is JobEventType.TRAIN_STEP]
     assert [s["step"] for s in steps] == [1, 2, 3, 4, 5, 6]
+    # The copy task's cosine decay, step by step, and its chart.
+    rates = [learning_rate_at(config.training.optimizer, i, 6) for i in range(6)]
+    assert [s["learning_rate"] for s in steps] == pytest.approx(rates)
+    assert points(page, "#chart-rate") == 6
     for step in steps:
         row = page.locator(f"#steps tr[data-step='{step['step']}']")
         assert row.locator("[data-field=reward_mean]").inner_text() == f"{step['reward_mean']:.3f}"

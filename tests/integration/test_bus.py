@@ -28,7 +28,7 @@ from rlnode.messages import (
 from rlnode.messages.codec import decode, encode
 from rlnode.messages.examples import example_payloads
 from rlnode.service.auth import VaultTokenVerifier
-from rlnode.testing import unique_id
+from rlnode.testing import unique_id, waiting_for
 from tests.conftest import eventually, next_matching
 
 pytestmark = pytest.mark.asyncio
@@ -202,7 +202,10 @@ async def test_per_job_order_holds_across_partitions(make_bus, kafka_settings) -
                 for j in jobs
             )
         )
-    await asyncio.wait_for(done.wait(), 60)
+    async with waiting_for(
+        "every job's records", 60, lambda: {j: len(r) for j, r in received.items()}
+    ):
+        await done.wait()
     for job in jobs:
         assert received[job] == list(range(per_job)), job
         assert len(partitions[job]) == 1, "a job's records must stay in one partition"

@@ -35,7 +35,7 @@ from rlnode.messages import (
 )
 from rlnode.models.build import init_model, init_tiny_model
 from rlnode.sdk.gateway import GatewayClient
-from rlnode.testing import ThreadedServer, unique_id
+from rlnode.testing import ThreadedServer, unique_id, waiting_for
 from tests.integration.stack import VLLM_ON_THE_CPU, Stack, start_stack, work_group_at_the_end
 
 pytestmark = pytest.mark.asyncio
@@ -70,7 +70,7 @@ async def generator_status(stack: Stack, process) -> dict:
 
 
 async def until(predicate, within_s: float = 60.0) -> None:
-    async with asyncio.timeout(within_s):
+    async with waiting_for(getattr(predicate, "__name__", "condition"), within_s):
         while not await predicate():  # noqa: ASYNC110 -- polling another process
             await asyncio.sleep(0.1)
 
@@ -187,7 +187,11 @@ async def collect(
     bus.subscribe(topics.JOB_EVENTS, on_event, group_id=None)
     await bus.start()
     try:
-        await asyncio.wait_for(done.wait(), within_s)
+        progress = lambda: (  # noqa: E731
+            f"trajectories for {len(got)} work item(s), events {[e.type.value for e in seen]}"
+        )
+        async with waiting_for(f"trajectories of job {job_id}", within_s, progress):
+            await done.wait()
     finally:
         await bus.stop()
     return [t for ts in got.values() for t in ts]
@@ -385,7 +389,10 @@ async def test_two_generators_share_work_and_a_killed_one_loses_none(
 
     collector.subscribe(topics.TRAJECTORIES, on_trajectory, group_id=None)
     await collector.start()
-    await asyncio.wait_for(done.wait(), 120)
+    async with waiting_for(
+        "a trajectory per work item", 120, lambda: f"{len(seen)} of {len(items)}"
+    ):
+        await done.wait()
     assert set(sample_ids(items)) == set(seen)  # no work item lost
     generators = {t.generator for ts in seen.values() for t in ts}
     assert generators == {"a", "b"}, generators  # both worked before b died

@@ -31,7 +31,7 @@ from rlnode.models.hf import load_tokenizer
 from rlnode.node.local import LocalNode, NodeOptions
 from rlnode.sdk.checkpoints import CheckpointClient, CheckpointError
 from rlnode.service.openai_api import parse_tool_calls
-from rlnode.testing import run_rlnode, unique_id, wait_until
+from rlnode.testing import run_rlnode, unique_id, wait_until, waiting_for
 
 STEPS = 4
 EVAL_SEEDS = {"start": 1000, "count": 4}
@@ -498,7 +498,7 @@ async def test_any_kafka_client_can_drive_a_job(node, org_login) -> None:
     await consumer.start()
     seen = []
     try:
-        async with asyncio.timeout(300):
+        async with waiting_for(f"end of job {job_id} on the raw topic", 300, lambda: seen):
             async for record in consumer:
                 if record.key != job_id.encode():  # records are keyed by job id
                     continue

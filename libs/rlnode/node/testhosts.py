@@ -29,7 +29,7 @@ from rlnode.node.roles import JoinInfo, join_path
 from rlnode.sdk.gateway import GatewayClient
 from rlnode.sdk.jobs import JobsClient
 from rlnode.sdk.vault import VaultClient
-from rlnode.testing import unique_id
+from rlnode.testing import unique_id, waiting_for
 
 ENDED = ("completed", "failed", "cancelled", "rejected")
 
@@ -353,8 +353,15 @@ class User:
         on their way to the brokers then (a 3-host run saw steps 17-24 stored 1 s later)."""
 
         async def events() -> list[JobEvent]:
-            async with self.jobs("testhosts-watch") as jobs, asyncio.timeout(within_s):
-                return [event async for event in jobs.events(job_id)]
+            seen: list[JobEvent] = []
+            progress = lambda: [f"{e.type.value}: {e.message}" for e in seen[-8:]]  # noqa: E731
+            async with (
+                self.jobs("testhosts-watch") as jobs,
+                waiting_for(f"end of job {job_id}", within_s, progress),
+            ):
+                async for event in jobs.events(job_id):
+                    seen.append(event)
+            return seen
 
         return asyncio.run(events())
 

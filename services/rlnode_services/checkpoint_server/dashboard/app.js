@@ -289,7 +289,8 @@ function jobView(jobId) {
   const charts = {
     reward: lineChart($("#chart-reward"), "reward", ["mean", "mean + std", "mean − std"],
       { dash: [false, true, true] }),
-    loss: lineChart($("#chart-loss"), "loss", ["loss"]),
+    loss: lineChart($("#chart-loss"), "loss", ["loss", "grad norm"]),
+    rate: lineChart($("#chart-rate"), "learning rate", ["learning rate"]),
     kl: lineChart($("#chart-kl"), "KL", ["kl (reference)", "mismatch kl"]),
     staleness: lineChart($("#chart-staleness"), "staleness (versions)", ["mean", "max"]),
     throughput: lineChart($("#chart-throughput"), "training tokens/s", ["tokens/s"]),
@@ -304,7 +305,8 @@ function jobView(jobId) {
     const column = (f) => steps.map(f);
     charts.reward.setData([x, column((s) => s.reward_mean),
       column((s) => s.reward_mean + s.reward_std), column((s) => s.reward_mean - s.reward_std)]);
-    charts.loss.setData([x, column((s) => s.loss)]);
+    charts.loss.setData([x, column((s) => s.loss), column((s) => s.grad_norm)]);
+    charts.rate.setData([x, column((s) => s.learning_rate)]);
     charts.kl.setData([x, column((s) => s.kl), column((s) => s.mismatch_kl)]);
     charts.staleness.setData([x, column((s) => s.staleness_mean), column((s) => s.staleness_max)]);
     charts.throughput.setData([x, column((s) => s.tokens_per_s)]);
