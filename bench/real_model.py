@@ -823,8 +823,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         imported = import_gguf(packaged_gguf("smollm2-135m-instruct"), workdir / "models")
-        results = interleaved(imported.path, args, workdir)
-    report(results, args)
+        # Each round's results are written as it ends (interleaved): the last is the whole.
+        interleaved(imported.path, args, workdir)
 
 
 if __name__ == "__main__":
